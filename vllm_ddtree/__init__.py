@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree speculative decoding for vLLM: draft trees from DFlash block drafts.
+
+Paper: https://arxiv.org/abs/2604.12989
+"""
+
+from vllm_ddtree.tree import (
+    DraftTree,
+    build_ddtree,
+    build_ddtree_reference,
+    draft_top_k,
+    tree_from_parents,
+)
+
+__all__ = [
+    "DraftTree",
+    "build_ddtree",
+    "build_ddtree_reference",
+    "draft_top_k",
+    "tree_from_parents",
+    "register",
+]
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (``vllm.general_plugins``).
+
+    The vLLM integration (speculative method ``"ddtree"``) lands with the runtime
+    adapter; until then loading the plugin is a no-op.
+    """

@@ -1,0 +1,549 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree draft trees: the data structure and its exact construction.
+
+DDTree (Ringel & Romano, https://arxiv.org/abs/2604.12989) turns the per-position
+marginals ``q_1..q_L`` of a block-diffusion drafter (DFlash) into a draft tree:
+the ``B`` prefixes ``u = (u_1..u_d)`` with the highest factorized score
+``sum_i log q_i(u_i)``. Every descendant scores at most its ancestor, so these
+prefixes form a tree (paper Prop. 2) and only the top ``K = min(B, V)`` tokens per
+depth can appear in it (Lemma 1).
+
+Total order, ties included. A node is a rank tuple ``(r_1..r_d)``; its score is
+accumulated in float32 from the root, ``s(u) = fl(s(parent) + lp[d-1, r_d])``, by
+both builders identically. Nodes are ordered by
+
+    (-score, depth, position of the parent within its depth, rank)
+
+where "position within a depth" is the node's index in this same order restricted
+to that depth. Parents precede children and rank ``r`` precedes ``r + 1``, so a
+best-first heap pops exactly this order (the reference) and the top-``B`` set is
+prefix-closed even when float32 sums tie (e.g. a draft probability of exactly 1).
+Node indices follow this order: node 0 is the root, parents have smaller indices
+than their children, siblings are ordered by draft rank (= draft log-prob).
+
+Two builders return identical :class:`DraftTree` s:
+
+* :func:`build_ddtree_reference`: the paper's best-first heap, one request at a
+  time, in numpy (readable; the test oracle).
+* :func:`build_ddtree`: batched and vectorized on the logits' device, no host
+  synchronization and no Python loop over requests or nodes. Depth ``d`` keeps the
+  top ``B`` children of depth ``d - 1``'s top ``B`` (exact, see
+  :func:`_candidate_pairs`), then one top ``B`` over all depths picks the tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DraftTree",
+    "build_ddtree",
+    "build_ddtree_reference",
+    "draft_top_k",
+    "tree_from_parents",
+]
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, padded to ``N + 1`` rows per request (root = row 0).
+
+    Rows ``1..num_nodes[b]`` of request ``b`` are real nodes; the rest are padding
+    (token 0, parent -1, depth 0, score -inf, visible only to themselves, linked
+    from nowhere). Every tensor lives on the same device.
+    """
+
+    # [R, N + 1] int64. Row 0 is the root (bonus) token; rows 1.. are drafts.
+    tokens: torch.Tensor
+    # [R, N + 1] int64. Local parent index; -1 for the root and for padding.
+    parents: torch.Tensor
+    # [R, N + 1] int64. Depth (root 0). Also the RoPE position offset.
+    depths: torch.Tensor
+    # [R, N + 1] float32. Factorized draft log-prob of the prefix (root 0).
+    scores: torch.Tensor
+    # [R] int64. Real nodes, root excluded (<= budget).
+    num_nodes: torch.Tensor
+    # [R, N + 1] int64. Global row b * (N + 1) + i (EAGLE/SGLang contract).
+    retrieve_index: torch.Tensor
+    # [R, N + 1] int64. First child (lowest rank), -1 if none.
+    retrieve_next_token: torch.Tensor
+    # [R, N + 1] int64. Next sibling in draft-rank order, -1 if none.
+    retrieve_next_sibling: torch.Tensor
+    # [R, N + 1, N + 1] bool. visibility[b, i, j]: node j is i or an ancestor of i.
+    visibility: torch.Tensor
+    # [R, N + 1, ceil((N + 1) / 32)] int32. Bit j % 32 of word j // 32 = column j.
+    visibility_packed: torch.Tensor
+    # Number of drafted positions L: the deepest possible node.
+    max_depth: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """N + 1: root plus node capacity."""
+        return self.tokens.shape[1]
+
+    @property
+    def position_offsets(self) -> torch.Tensor:
+        """[R, N + 1] RoPE offsets from the committed length (= depth)."""
+        return self.depths
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        fields = {
+            name: getattr(self, name).to(device)
+            for name in self.__dataclass_fields__
+            if name != "max_depth"
+        }
+        return DraftTree(max_depth=self.max_depth, **fields)
+
+
+def _check_draft_logits(draft_logits: torch.Tensor, validate_values: bool) -> None:
+    if not isinstance(draft_logits, torch.Tensor):
+        raise ValueError(
+            f"draft_logits must be a torch.Tensor, got {type(draft_logits).__name__}"
+        )
+    if draft_logits.dim() != 3:
+        raise ValueError(
+            "draft_logits must have shape [num_reqs, L, vocab_size], got "
+            f"{tuple(draft_logits.shape)}"
+        )
+    if not draft_logits.is_floating_point():
+        raise ValueError(
+            f"draft_logits must be a floating-point tensor, got {draft_logits.dtype}"
+        )
+    if draft_logits.shape[1] < 1 or draft_logits.shape[2] < 1:
+        raise ValueError(
+            "draft_logits needs L >= 1 and vocab_size >= 1, got shape "
+            f"{tuple(draft_logits.shape)}"
+        )
+    # Value checks synchronize with the device; hot paths pass validate=False.
+    if validate_values and not bool(torch.isfinite(draft_logits).all()):
+        raise ValueError("draft_logits contains NaN or infinite values")
+
+
+def _resolve_budget(
+    budget: int | torch.Tensor, num_reqs: int, max_budget: int | None
+) -> tuple[int, torch.Tensor | None]:
+    """Returns (static node capacity N, per-request budgets or None if uniform)."""
+    if isinstance(budget, torch.Tensor):
+        if budget.dim() != 1 or budget.shape[0] != num_reqs:
+            raise ValueError(
+                f"budget must be an int or a [num_reqs={num_reqs}] tensor, got "
+                f"shape {tuple(budget.shape)}"
+            )
+        if budget.dtype.is_floating_point or budget.dtype == torch.bool:
+            raise ValueError(f"budget must be an integer tensor, got {budget.dtype}")
+        if max_budget is None:
+            # Host sync; pass max_budget to keep shapes static without one.
+            max_budget = int(budget.max()) if num_reqs else 0
+            if num_reqs and int(budget.min()) < 0:
+                raise ValueError("budget must be >= 0 for every request")
+        if max_budget < 0:
+            raise ValueError(f"max_budget must be >= 0, got {max_budget}")
+        return max_budget, budget.to(torch.int64)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise ValueError(f"budget must be an int or a tensor, got {budget!r}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if max_budget is not None and max_budget != budget:
+        raise ValueError(f"max_budget ({max_budget}) must equal an int budget ({budget})")
+    return int(budget), None
+
+
+def draft_top_k(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` draft tokens per position and their log-probs (float32).
+
+    The one vocabulary-sized step shared by both builders.
+
+    Args:
+        draft_logits: [num_reqs, L, V] drafter logits (temperature is not applied,
+            as in the paper).
+        k: tokens kept per position, ``1 <= k <= V``.
+
+    Returns:
+        (log_probs, token_ids), each [num_reqs, L, k], sorted by descending log-prob.
+    """
+    logits = draft_logits.float()
+    top = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return top.values - log_z, top.indices
+
+
+def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent position i, child rank r) pairs that can be in a top-``budget`` tree.
+
+    The i + 1 parents ranked at or before i (their scores are >= and they win ties)
+    each have r + 1 children of rank <= r that score >= the pair's child (float
+    addition is monotone) and win ties, so a pair with (i + 1)(r + 1) > budget is
+    never among the top ``budget`` of its depth. About budget * ln(budget) pairs
+    remain instead of budget * k. Sorted by (i, r): the tie-break order.
+    """
+    i = torch.arange(budget, device=device).unsqueeze(1)
+    r = torch.arange(k, device=device).unsqueeze(0)
+    keep = (i + 1) * (r + 1) <= budget
+    pi, pr = torch.nonzero(keep, as_tuple=True)
+    return pi, pr
+
+
+def build_ddtree(
+    draft_logits: torch.Tensor,
+    budget: int | torch.Tensor,
+    root_token_ids: torch.Tensor | None = None,
+    *,
+    max_budget: int | None = None,
+    top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = True,
+) -> DraftTree:
+    """Builds the DDTree of every request, batched and on device.
+
+    Args:
+        draft_logits: [num_reqs, L, V] per-position drafter logits.
+        budget: node budget B (root excluded): an int, or a [num_reqs] int tensor.
+        root_token_ids: [num_reqs] bonus tokens stored at row 0 (default 0).
+        max_budget: static node capacity N when ``budget`` is a tensor (avoids a
+            host sync); defaults to ``budget.max()``.
+        top_k: precomputed :func:`draft_top_k` output with k >= min(N, V).
+        validate: check values (NaN/inf) too; this synchronizes with the device.
+
+    Returns:
+        The :class:`DraftTree` with N = max budget node rows per request.
+    """
+    _check_draft_logits(draft_logits, validate)
+    num_reqs, depth_limit, vocab = draft_logits.shape
+    cap, per_req_budget = _resolve_budget(budget, num_reqs, max_budget)
+    device = draft_logits.device
+    if cap == 0:
+        return _empty_tree(num_reqs, depth_limit, root_token_ids, device)
+
+    k = min(cap, vocab)
+    if top_k is None:
+        log_probs, token_ids = draft_top_k(draft_logits, k)
+    else:
+        log_probs, token_ids = top_k[0][..., :k].float(), top_k[1][..., :k]
+
+    # Per depth, the top `cap` nodes in tie-break order: scores, the position of
+    # the parent in the previous depth's list, and the draft rank.
+    neg_inf = torch.tensor(float("-inf"), device=device)
+    level_scores = []
+    level_parent_pos = []
+    level_rank = []
+    # Depth 1: the root's children are the top ranks, already sorted.
+    first = torch.full((num_reqs, cap), float("-inf"), device=device)
+    first[:, :k] = log_probs[:, 0, :k]
+    rank1 = torch.zeros(cap, dtype=torch.int64, device=device)
+    rank1[:k] = torch.arange(k, device=device)
+    level_scores.append(first)
+    level_parent_pos.append(torch.zeros(num_reqs, cap, dtype=torch.int64, device=device))
+    level_rank.append(rank1.unsqueeze(0).expand(num_reqs, cap))
+
+    pair_parent, pair_rank = _candidate_pairs(cap, k, device)
+    for d in range(1, depth_limit):
+        # [R, C] candidate scores; an invalid parent (-inf) stays -inf.
+        cand = level_scores[-1][:, pair_parent] + log_probs[:, d, pair_rank]
+        # Stable: ties keep the (parent position, rank) order of the pair list.
+        cand_sorted, order = torch.sort(cand, dim=1, descending=True, stable=True)
+        level_scores.append(cand_sorted[:, :cap])
+        level_parent_pos.append(pair_parent[order[:, :cap]])
+        level_rank.append(pair_rank[order[:, :cap]])
+
+    # One top-`cap` over all depths; stable sort breaks ties by (depth, position).
+    all_scores = torch.stack(level_scores, dim=1)  # [R, L, cap]
+    all_parent_pos = torch.stack(level_parent_pos, dim=1)
+    all_rank = torch.stack(level_rank, dim=1)
+    flat_scores = all_scores.reshape(num_reqs, depth_limit * cap)
+    sel_scores, sel = torch.sort(flat_scores, dim=1, descending=True, stable=True)
+    sel_scores, sel = sel_scores[:, :cap], sel[:, :cap]  # [R, cap]
+
+    node_slot = torch.arange(cap, device=device).unsqueeze(0)
+    valid = sel_scores > neg_inf
+    if per_req_budget is not None:
+        valid &= node_slot < per_req_budget.to(device).unsqueeze(1)
+    sel_depth0 = sel // cap  # 0-based depth level
+    sel_pos = sel % cap
+
+    # Local index (1-based) of every (depth, position) entry that made the tree.
+    local_of_entry = torch.zeros(num_reqs, depth_limit * cap, dtype=torch.int64, device=device)
+    local_of_entry.scatter_(1, sel, torch.where(valid, node_slot + 1, 0))
+    parent_pos = all_parent_pos.reshape(num_reqs, -1).gather(1, sel)
+    parent_entry = (sel_depth0 - 1).clamp(min=0) * cap + parent_pos
+    parent_local = torch.where(
+        sel_depth0 == 0, 0, local_of_entry.gather(1, parent_entry)
+    )
+    rank = all_rank.reshape(num_reqs, -1).gather(1, sel)
+    # token_ids[b, depth, rank] for each selected node.
+    flat_ids = token_ids.reshape(num_reqs, depth_limit * k)
+    node_tokens = flat_ids.gather(1, sel_depth0 * k + rank.clamp(max=k - 1))
+
+    zero = torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)
+    roots = (
+        zero
+        if root_token_ids is None
+        else root_token_ids.to(device=device, dtype=torch.int64).reshape(num_reqs, 1)
+    )
+    tokens = torch.cat([roots, torch.where(valid, node_tokens, 0)], dim=1)
+    parents = torch.cat([zero - 1, torch.where(valid, parent_local, -1)], dim=1)
+    depths = torch.cat([zero, torch.where(valid, sel_depth0 + 1, 0)], dim=1)
+    scores = torch.cat(
+        [torch.zeros(num_reqs, 1, device=device), torch.where(valid, sel_scores, neg_inf)],
+        dim=1,
+    )
+    num_nodes = valid.sum(dim=1)
+    return _finish_tree(tokens, parents, depths, scores, num_nodes, depth_limit)
+
+
+def _empty_tree(
+    num_reqs: int, depth_limit: int, root_token_ids: torch.Tensor | None, device
+) -> DraftTree:
+    zero = torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)
+    tokens = zero if root_token_ids is None else root_token_ids.to(
+        device=device, dtype=torch.int64
+    ).reshape(num_reqs, 1)
+    return _finish_tree(
+        tokens,
+        zero - 1,
+        zero.clone(),
+        torch.zeros(num_reqs, 1, device=device),
+        torch.zeros(num_reqs, dtype=torch.int64, device=device),
+        depth_limit,
+    )
+
+
+def _finish_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    scores: torch.Tensor,
+    num_nodes: torch.Tensor,
+    max_depth: int,
+) -> DraftTree:
+    """Derives LCRS links and visibility from parents (parent index < child index)."""
+    num_reqs, rows = tokens.shape
+    device = tokens.device
+    idx = torch.arange(rows, device=device).unsqueeze(0).expand(num_reqs, rows)
+    is_node = parents >= 0  # root and padding are not children of anything
+
+    # First child = lowest-index child; scatter_reduce over a sentinel `rows`.
+    first_child = torch.full((num_reqs, rows + 1), rows, dtype=torch.int64, device=device)
+    first_child.scatter_reduce_(
+        1, torch.where(is_node, parents, rows), torch.where(is_node, idx, rows), "amin"
+    )
+    first_child = first_child[:, :rows]
+    first_child = torch.where(first_child == rows, -1, first_child)
+
+    # Next sibling: sort children by (parent, index); neighbours with one parent.
+    key = torch.where(is_node, parents * rows + idx, rows * rows + idx)
+    sorted_key, order = torch.sort(key, dim=1)
+    same_parent = (sorted_key[:, 1:] // rows == sorted_key[:, :-1] // rows) & (
+        sorted_key[:, 1:] < rows * rows
+    )
+    nxt = torch.where(same_parent, order[:, 1:], -1)
+    next_sibling = torch.full((num_reqs, rows), -1, dtype=torch.int64, device=device)
+    next_sibling.scatter_(1, order[:, :-1], nxt)
+
+    # Ancestor-or-self visibility by pointer jumping up to max_depth levels.
+    visibility = torch.eye(rows, dtype=torch.bool, device=device).repeat(num_reqs, 1, 1)
+    hop = torch.where(is_node, parents, idx)  # root/padding point to themselves
+    anc = hop
+    for _ in range(max_depth):
+        visibility.scatter_(2, anc.unsqueeze(2), True)
+        anc = hop.gather(1, anc)
+
+    retrieve_index = (
+        torch.arange(num_reqs, device=device).unsqueeze(1) * rows + idx
+    ).contiguous()
+    return DraftTree(
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        scores=scores,
+        num_nodes=num_nodes,
+        retrieve_index=retrieve_index,
+        retrieve_next_token=first_child.contiguous(),
+        retrieve_next_sibling=next_sibling,
+        visibility=visibility,
+        visibility_packed=pack_visibility(visibility),
+        max_depth=max_depth,
+    )
+
+
+def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
+    """[..., rows, rows] bool -> [..., rows, ceil(rows / 32)] int32 little-endian bits."""
+    rows = visibility.shape[-1]
+    words = (rows + 31) // 32
+    pad = words * 32 - rows
+    bits = torch.nn.functional.pad(visibility, (0, pad)).to(torch.int64)
+    bits = bits.reshape(*visibility.shape[:-1], words, 32)
+    weights = torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int64, device=visibility.device),
+        torch.arange(32, device=visibility.device),
+    )
+    packed = (bits * weights).sum(dim=-1)
+    # Two's-complement wrap of bit 31 before narrowing to int32.
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def tree_from_parents(
+    parents: list[list[int]],
+    tokens: list[list[int]],
+    max_depth: int,
+    scores: list[list[float]] | None = None,
+    device: torch.device | str = "cpu",
+) -> DraftTree:
+    """Builds a :class:`DraftTree` from explicit per-request node lists, with loops.
+
+    ``parents[b]`` and ``tokens[b]`` list the root first (parent -1) and then the
+    nodes; a node's parent must have a smaller index. Requests are padded to the
+    longest. Derived fields are computed with plain Python loops, independently of
+    the vectorized builder: hand-built trees in tests and the reference builder use
+    it.
+    """
+    num_reqs = len(parents)
+    rows = max((len(p) for p in parents), default=1)
+    tok = np.zeros((num_reqs, rows), dtype=np.int64)
+    par = np.full((num_reqs, rows), -1, dtype=np.int64)
+    dep = np.zeros((num_reqs, rows), dtype=np.int64)
+    sco = np.full((num_reqs, rows), -np.inf, dtype=np.float32)
+    first_child = np.full((num_reqs, rows), -1, dtype=np.int64)
+    next_sibling = np.full((num_reqs, rows), -1, dtype=np.int64)
+    vis = np.zeros((num_reqs, rows, rows), dtype=bool)
+    for b in range(num_reqs):
+        n = len(parents[b])
+        if n < 1 or parents[b][0] != -1 or len(tokens[b]) != n:
+            raise ValueError(f"request {b}: needs a root with parent -1 and one token per node")
+        sco[b, 0] = 0.0
+        last_child: dict[int, int] = {}
+        for i in range(rows):
+            vis[b, i, i] = True
+        for i in range(n):
+            p = parents[b][i]
+            tok[b, i] = tokens[b][i]
+            if i == 0:
+                continue
+            if not 0 <= p < i:
+                raise ValueError(f"request {b}: node {i} has parent {p}, need 0 <= parent < {i}")
+            par[b, i] = p
+            dep[b, i] = dep[b, p] + 1
+            if dep[b, i] > max_depth:
+                raise ValueError(f"request {b}: node {i} is deeper than max_depth={max_depth}")
+            sco[b, i] = scores[b][i] if scores is not None else 0.0
+            vis[b, i, :i] = vis[b, p, :i]  # the paper's visibility recurrence
+            if p in last_child:
+                next_sibling[b, last_child[p]] = i
+            else:
+                first_child[b, p] = i
+            last_child[p] = i
+    vis_t = torch.from_numpy(vis).to(device)
+    rows_idx = np.arange(rows)
+    return DraftTree(
+        tokens=torch.from_numpy(tok).to(device),
+        parents=torch.from_numpy(par).to(device),
+        depths=torch.from_numpy(dep).to(device),
+        scores=torch.from_numpy(sco).to(device),
+        num_nodes=torch.tensor([len(p) - 1 for p in parents], dtype=torch.int64, device=device),
+        retrieve_index=torch.from_numpy(
+            np.arange(num_reqs)[:, None] * rows + rows_idx[None, :]
+        ).to(device),
+        retrieve_next_token=torch.from_numpy(first_child).to(device),
+        retrieve_next_sibling=torch.from_numpy(next_sibling).to(device),
+        visibility=vis_t,
+        visibility_packed=pack_visibility(vis_t),
+        max_depth=max_depth,
+    )
+
+
+def build_ddtree_reference(
+    draft_logits: torch.Tensor,
+    budget: int | list[int],
+    root_token_ids: list[int] | None = None,
+    *,
+    top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> DraftTree:
+    """The paper's best-first heap (Prop. 3), one request at a time. Test oracle.
+
+    Heap entries are keyed by the total order of this module; a popped node pushes
+    its next sibling and its first child. Returns the same :class:`DraftTree` as
+    :func:`build_ddtree` (padded to the largest budget).
+    """
+    _check_draft_logits(draft_logits, validate_values=True)
+    num_reqs, depth_limit, vocab = draft_logits.shape
+    budgets = [budget] * num_reqs if isinstance(budget, int) else list(budget)
+    if any(b < 0 for b in budgets):
+        raise ValueError("budget must be >= 0")
+    cap = max(budgets, default=0)
+    k = min(cap, vocab)
+    if cap == 0:
+        roots = torch.tensor(root_token_ids) if root_token_ids is not None else None
+        return _empty_tree(num_reqs, depth_limit, roots, draft_logits.device)
+    if top_k is None:
+        top_k = draft_top_k(draft_logits, k)
+    lp_all = top_k[0][..., :k].float().cpu().numpy()
+    ids_all = top_k[1][..., :k].cpu().numpy()
+
+    all_parents, all_tokens, all_scores = [], [], []
+    for b in range(num_reqs):
+        lp, ids = lp_all[b], ids_all[b]
+        root = root_token_ids[b] if root_token_ids is not None else 0
+        parents, tokens, scores = [-1], [int(root)], [0.0]
+        count_at_depth = [0] * (depth_limit + 1)
+        # (-score, depth, parent position in its depth, rank, parent index, parent score)
+        zero = np.float32(0.0)
+        heap = [(-np.float32(zero + lp[0, 0]), 1, 0, 0, 0, zero)]
+        while heap and len(parents) - 1 < budgets[b]:
+            neg, depth, parent_pos, rank, parent, parent_score = heapq.heappop(heap)
+            score = -neg
+            index = len(parents)
+            pos = count_at_depth[depth]
+            count_at_depth[depth] += 1
+            parents.append(parent)
+            tokens.append(int(ids[depth - 1, rank]))
+            scores.append(float(score))
+            if rank + 1 < k:  # next sibling
+                s = np.float32(parent_score + lp[depth - 1, rank + 1])
+                heapq.heappush(heap, (-s, depth, parent_pos, rank + 1, parent, parent_score))
+            if depth < depth_limit:  # first child
+                s = np.float32(score + lp[depth, 0])
+                heapq.heappush(heap, (-s, depth + 1, pos, 0, index, score))
+        all_parents.append(parents)
+        all_tokens.append(tokens)
+        all_scores.append(scores)
+
+    # Pad every request to `cap` node rows like the vectorized builder.
+    tree = tree_from_parents(all_parents, all_tokens, depth_limit, all_scores)
+    pad = cap + 1 - tree.num_rows
+    if pad > 0:
+        tree = _pad_tree(tree, pad)
+    return tree.to(draft_logits.device)
+
+
+def _pad_tree(tree: DraftTree, pad: int) -> DraftTree:
+    num_reqs, rows = tree.tokens.shape
+    f = torch.nn.functional
+
+    def pad_rows(x: torch.Tensor, value) -> torch.Tensor:
+        return f.pad(x, (0, pad), value=value)
+
+    new_rows = rows + pad
+    vis = torch.zeros(num_reqs, new_rows, new_rows, dtype=torch.bool)
+    vis[:, :rows, :rows] = tree.visibility
+    vis[:, torch.arange(rows, new_rows), torch.arange(rows, new_rows)] = True
+    return DraftTree(
+        tokens=pad_rows(tree.tokens, 0),
+        parents=pad_rows(tree.parents, -1),
+        depths=pad_rows(tree.depths, 0),
+        scores=pad_rows(tree.scores, float("-inf")),
+        num_nodes=tree.num_nodes,
+        retrieve_index=torch.arange(num_reqs).unsqueeze(1) * new_rows
+        + torch.arange(new_rows).unsqueeze(0),
+        retrieve_next_token=pad_rows(tree.retrieve_next_token, -1),
+        retrieve_next_sibling=pad_rows(tree.retrieve_next_sibling, -1),
+        visibility=vis,
+        visibility_packed=pack_visibility(vis),
+        max_depth=tree.max_depth,
+    )
