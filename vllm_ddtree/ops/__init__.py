@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kernel dispatch: CUDA extension > Triton > torch, by device and availability.
+
+Every backend implements the same contract as the torch reference
+(:func:`vllm_ddtree.verify.verify_tree_torch`) and is tested equal to it.
+Kernels see only temperature; a request's min-p / top-k / top-p are applied here
+in torch first (vLLM's own sampler does the same amount of work on its rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from vllm_ddtree.sampling import TreeSamplingParams, apply_sampling_params
+from vllm_ddtree.tree import DraftTree
+
+BACKENDS = ("cuda", "triton", "torch")
+
+
+@functools.cache
+def _triton_usable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cuda_extension_available() -> bool:
+    from vllm_ddtree.ops import cuda_ext
+
+    return cuda_ext.load() is not None
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that can run on ``device``, fastest first."""
+    out = []
+    if device.type == "cuda" and cuda_extension_available():
+        out.append("cuda")
+    if _triton_usable() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        out.append("triton")
+    out.append("torch")
+    return out
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    usable = available_backends(device)
+    if backend == "auto":
+        # Under TRITON_INTERPRET the Triton "kernels" are numpy: correct but slow.
+        return next(b for b in usable if not (b == "triton" and device.type != "cuda"))
+    if backend not in usable:
+        raise ValueError(f"backend {backend!r} is not available on {device} (have {usable})")
+    return backend
+
+
+def kernel_inputs(
+    target_logits: torch.Tensor, params: TreeSamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, temperature) for kernels that only apply temperature.
+
+    With min-p/top-k/top-p in the batch, sampled rows are processed in torch
+    (temperature included) and passed with temperature 1; greedy rows stay raw so
+    their argmax (first maximum) is untouched.
+    """
+    if params.top_k is None and params.top_p is None and params.min_p is None:
+        return target_logits, params.temperature
+    num_reqs, rows, vocab = target_logits.shape
+    row_req = torch.arange(num_reqs, device=target_logits.device).repeat_interleave(rows)
+    raw = target_logits.float().reshape(num_reqs * rows, vocab)
+    processed = apply_sampling_params(raw.clone(), params.select(row_req))
+    greedy_row = params.is_greedy[row_req].unsqueeze(1)
+    logits = torch.where(greedy_row, raw, processed).view(num_reqs, rows, vocab)
+    temperature = torch.where(params.is_greedy, 0.0, 1.0)
+    return logits, temperature
+
+
+def tree_verify_dispatch(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: TreeSamplingParams,
+    method: str,
+    coins: tuple[torch.Tensor, torch.Tensor],
+    threshold_single: float,
+    threshold_acc: float,
+    backend: str = "auto",
+):
+    from vllm_ddtree.verify import METHOD_IDS, TreeVerifyOutput, verify_tree_torch
+
+    backend = resolve_backend(backend, target_logits.device)
+    if backend == "torch":
+        return verify_tree_torch(
+            tree, target_logits, params, method, coins, threshold_single, threshold_acc
+        )
+    logits, temperature = kernel_inputs(target_logits, params)
+    if backend == "triton":
+        from vllm_ddtree.ops.triton_verify import tree_verify_triton as kernel
+    else:
+        from vllm_ddtree.ops.cuda_ext import tree_verify_cuda as kernel
+    accepted, committed, num_accepted = kernel(
+        logits,
+        tree.tokens,
+        tree.retrieve_next_token,
+        tree.retrieve_next_sibling,
+        temperature,
+        coins[0],
+        coins[1],
+        tree.max_depth,
+        METHOD_IDS[method],
+        threshold_single,
+        threshold_acc,
+    )
+    return TreeVerifyOutput(accepted, committed, num_accepted)

@@ -1,0 +1,256 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree verification: which draft path the target accepts, one output contract.
+
+The target ran once over every tree row (ancestor-only attention), so row ``i``
+of ``target_logits`` is the target's next-token logits after the path root..i.
+A request's walk starts at the root and, at each node, decides the next token:
+
+* greedy (temperature < 1e-5): ``argmax`` of the raw logits;
+* ``"sample_walk"``: one target sample per visited node (inverse CDF with that
+  node's coin); descend if a child carries it, else it is the bonus token. This
+  is the DDTree reference's rule (paper Sec. 4.1), lossless because every emitted
+  token is an exact draw from the target given its ancestors;
+* ``"rejection"``: target-only tree rejection sampling (the EAGLE/SGLang
+  kernel's rule, SpecInfer https://arxiv.org/abs/2305.09781 with one-hot drafts):
+  the node's coin is compared with the running CDF of its children's target
+  probabilities in draft-rank order; if no child is accepted the bonus is drawn
+  from the target with those children removed, using the request's final coin.
+
+Both sampling rules emit exactly the target's ancestral distribution (proof in
+docs: tree-sampling-kernels.md Sec. 4) and accept a child with probability equal
+to the children's total target mass, the best any lossless verifier can do.
+
+Canonical arithmetic, shared by every backend: ``z = logits / T`` (after the
+request's min-p/top-k/top-p), ``e = exp(z - max z)`` in float32, prefix sums and
+totals in float64. Inverse CDF picks the first token whose inclusive prefix sum
+is ``> u * total`` (strict: a zero-mass token is never emitted), falling back to
+the last token with ``e > 0`` if rounding leaves none.
+
+Output contract (:class:`TreeVerifyOutput`), the seam to the commit step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from vllm_ddtree.sampling import (
+    SAMPLING_EPS,
+    TreeSamplingParams,
+    apply_sampling_params,
+    draw_coins,
+)
+from vllm_ddtree.tree import DraftTree
+
+__all__ = [
+    "VerifyMethod",
+    "TreeVerifyOutput",
+    "verify_tree",
+    "verify_tree_torch",
+]
+
+VerifyMethod = Literal["sample_walk", "rejection"]
+METHOD_IDS = {"sample_walk": 0, "rejection": 1}
+
+
+@dataclass
+class TreeVerifyOutput:
+    """What the target accepted, per request (padded to the tree's max depth + 1)."""
+
+    # [R, L + 1] int64. Local node indices of the accepted path, root (0) first,
+    # -1 padded. Entry j is the node at depth j.
+    accepted_indices: torch.Tensor
+    # [R, L + 1] int64. Accepted draft tokens, then exactly one bonus/correction
+    # token, -1 padded: num_accepted + 1 valid entries.
+    committed_tokens: torch.Tensor
+    # [R] int64. Accepted draft nodes (root and bonus excluded).
+    num_accepted: torch.Tensor
+
+
+def _check_inputs(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: TreeSamplingParams,
+    method: str,
+    threshold_single: float,
+    threshold_acc: float,
+    coins: tuple[torch.Tensor, torch.Tensor] | None,
+    validate_values: bool,
+) -> None:
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
+        shape = tuple(target_logits.shape) if isinstance(target_logits, torch.Tensor) else None
+        raise ValueError(
+            f"target_logits must have shape [num_reqs, N + 1, vocab_size], got {shape}"
+        )
+    if not target_logits.is_floating_point():
+        raise ValueError(f"target_logits must be floating point, got {target_logits.dtype}")
+    expected = (tree.num_reqs, tree.num_rows)
+    if tuple(target_logits.shape[:2]) != expected:
+        raise ValueError(
+            f"target_logits has shape {tuple(target_logits.shape)}, expected "
+            f"[{expected[0]}, {expected[1]}, vocab_size] to match the tree"
+        )
+    if target_logits.device != tree.tokens.device:
+        raise ValueError(
+            f"target_logits is on {target_logits.device} but the tree is on "
+            f"{tree.tokens.device}"
+        )
+    if method not in METHOD_IDS:
+        raise ValueError(f"method must be one of {sorted(METHOD_IDS)}, got {method!r}")
+    for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    if coins is not None:
+        node_coins, final_coins = coins
+        if node_coins.shape != expected or final_coins.shape != expected[:1]:
+            raise ValueError(
+                f"coins must be ([{expected[0]}, {expected[1]}], [{expected[0]}]), got "
+                f"({tuple(node_coins.shape)}, {tuple(final_coins.shape)})"
+            )
+    params.validate(tree.num_reqs, target_logits.device)
+    if validate_values:  # synchronizes with the device
+        if torch.isnan(target_logits).any() or torch.isposinf(target_logits).any():
+            raise ValueError("target_logits contains NaN or +inf values")
+        if coins is not None and not bool(((coins[0] >= 0) & (coins[0] < 1)).all()
+                                          & ((coins[1] >= 0) & (coins[1] < 1)).all()):
+            raise ValueError("coins must lie in [0, 1)")
+
+
+def verify_tree(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: TreeSamplingParams | None = None,
+    *,
+    method: VerifyMethod = "rejection",
+    coins: tuple[torch.Tensor, torch.Tensor] | None = None,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    backend: str = "auto",
+    validate: bool = True,
+) -> TreeVerifyOutput:
+    """Verifies a batch of draft trees against the target's logits.
+
+    Args:
+        tree: the draft trees (R requests, N + 1 rows each).
+        target_logits: [R, N + 1, V] target logits; row i follows the path to node i.
+        params: per-request sampling parameters; ``None`` means all greedy. A batch
+            may mix greedy and sampled requests with different parameters.
+        method: ``"sample_walk"`` or ``"rejection"`` for sampled requests.
+        coins: ``(node_coins [R, N + 1], final_coins [R])`` uniforms in [0, 1);
+            drawn with :func:`draw_coins` (honouring seeded generators) if omitted.
+        threshold_single, threshold_acc: EAGLE-style relaxations of the rejection
+            rule; 1.0 (the default) is exact. Lower values are lossy.
+        backend: ``"auto"`` (CUDA extension > Triton > torch), or one of them.
+        validate: check values (NaN/inf, coin range) too; synchronizes the device.
+
+    Returns:
+        The :class:`TreeVerifyOutput`.
+    """
+    if params is None:
+        params = TreeSamplingParams.greedy(tree.num_reqs, target_logits.device)
+    _check_inputs(tree, target_logits, params, method, threshold_single, threshold_acc,
+                  coins, validate)
+    if coins is None:
+        coins = draw_coins(tree.num_reqs, tree.num_rows, target_logits.device,
+                           params.generators)
+    from vllm_ddtree.ops import tree_verify_dispatch
+
+    return tree_verify_dispatch(
+        tree, target_logits, params, method, coins, threshold_single, threshold_acc, backend
+    )
+
+
+def _inverse_cdf(e: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """[M, V] float32 weights, [M] coins -> [M] first index with prefix > u * total."""
+    cdf = e.double().cumsum(dim=-1)
+    target = coins.double() * cdf[:, -1]
+    pick = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    vocab = e.shape[-1]
+    last_valid = (vocab - 1) - torch.argmax((e > 0).flip(-1).to(torch.int8), dim=-1)
+    return torch.where(pick >= vocab, last_valid, pick)
+
+
+def verify_tree_torch(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    params: TreeSamplingParams,
+    method: VerifyMethod,
+    coins: tuple[torch.Tensor, torch.Tensor],
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> TreeVerifyOutput:
+    """Torch reference: vectorized over requests, one step per depth.
+
+    Only the rows on each request's walk are processed (L + 1 rows instead of
+    N + 1), so no [R, N + 1, V] temporary is made; this is also the test oracle of
+    the Triton and CUDA kernels.
+    """
+    num_reqs, rows, vocab = target_logits.shape
+    device = target_logits.device
+    node_coins, final_coins = coins
+    width = tree.max_depth + 1
+    req = torch.arange(num_reqs, device=device)
+    node_idx = torch.arange(rows, device=device).unsqueeze(0)
+    greedy = params.is_greedy
+    rejection = method == "rejection"
+
+    accepted = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
+    accepted[:, 0] = 0
+    cur = torch.zeros(num_reqs, dtype=torch.int64, device=device)
+    active = torch.ones(num_reqs, dtype=torch.bool, device=device)
+    is_cpu = device.type == "cpu"
+
+    def step_distribution(node: torch.Tensor):
+        raw = target_logits[req, node].float()  # [R, V]
+        z = apply_sampling_params(raw.clone(), params)
+        m = z.amax(dim=-1, keepdim=True)
+        e = torch.exp(z - m)  # float32; removed tokens -> 0
+        return raw, e
+
+    for depth in range(1, width):
+        raw, e = step_distribution(cur)
+        children = (tree.parents == cur.unsqueeze(1)) & active.unsqueeze(1)  # [R, rows]
+        # Greedy rows and sample_walk: the node's token, then a child carrying it.
+        token = torch.where(greedy, raw.argmax(dim=-1), _inverse_cdf(e, node_coins[req, cur]))
+        match = children & (tree.tokens == token.unsqueeze(1))
+        if rejection:
+            # Running CDF of the children's target mass in draft-rank (index) order.
+            e_child = torch.where(children, e.gather(1, tree.tokens.clamp(min=0)), 0.0).double()
+            total = e.double().sum(dim=-1, keepdim=True)
+            acc = e_child.cumsum(dim=1)
+            coin = node_coins[req, cur].double().unsqueeze(1)
+            take = (e_child > 0) & (
+                (coin * total * threshold_acc < acc) | (e_child >= threshold_single * total)
+            )
+            match = torch.where(greedy.unsqueeze(1), match, children & take)
+        child = torch.where(match, node_idx, rows).amin(dim=1)
+        advance = child < rows
+        accepted[:, depth] = torch.where(advance, child, -1)
+        cur = torch.where(advance, child, cur)
+        active = advance
+        if is_cpu and not bool(active.any()):
+            break
+
+    num_accepted = (accepted[:, 1:] >= 0).sum(dim=1)
+    # The bonus / correction token at the last accepted node.
+    raw, e = step_distribution(cur)
+    if rejection:
+        rejected = (tree.parents == cur.unsqueeze(1))  # every child was rejected
+        # Count, not assign: several rows may carry one token (root, padding).
+        drop = torch.zeros(e.shape, dtype=torch.int32, device=device)
+        drop.scatter_add_(1, tree.tokens.clamp(min=0), rejected.to(torch.int32))
+        e_res = torch.where(drop > 0, 0.0, e)
+        sampled = _inverse_cdf(e_res, final_coins)
+        # All mass on rejected children can only come from float rounding.
+        sampled = torch.where(e_res.sum(dim=-1) > 0, sampled, _inverse_cdf(e, final_coins))
+    else:
+        sampled = _inverse_cdf(e, node_coins[req, cur])
+    bonus = torch.where(greedy, raw.argmax(dim=-1), sampled)
+
+    path_tokens = tree.tokens.gather(1, accepted[:, 1:].clamp(min=0))
+    committed = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
+    committed[:, :-1] = torch.where(accepted[:, 1:] >= 0, path_tokens, -1)
+    committed.scatter_(1, num_accepted.unsqueeze(1), bonus.unsqueeze(1))
+    return TreeVerifyOutput(accepted, committed, num_accepted)
