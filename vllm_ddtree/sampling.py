@@ -105,8 +105,8 @@ class TreeSamplingParams:
             generators=generators,
         )
 
-    def validate(self, num_reqs: int, device: torch.device) -> None:
-        """Shape/device checks, and value checks (synchronizes with the device)."""
+    def validate(self, num_reqs: int, device: torch.device, check_values: bool = True) -> None:
+        """Shape/device checks; value checks too if ``check_values`` (a device sync)."""
         for name in ("temperature", "top_k", "top_p", "min_p"):
             t = getattr(self, name)
             if t is None:
@@ -121,6 +121,8 @@ class TreeSamplingParams:
         for i in self.generators:
             if not 0 <= i < num_reqs:
                 raise ValueError(f"generators has request index {i} outside [0, {num_reqs})")
+        if not check_values:
+            return
         _check_values(
             self.temperature.tolist(),
             None if self.top_k is None else self.top_k.tolist(),

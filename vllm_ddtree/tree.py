@@ -33,6 +33,7 @@ Two builders return identical :class:`DraftTree` s:
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -175,6 +176,7 @@ def draft_top_k(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     return top.values - log_z, top.indices
 
 
+@functools.lru_cache(maxsize=64)
 def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(parent position i, child rank r) pairs that can be in a top-``budget`` tree.
 
@@ -183,12 +185,12 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
     addition is monotone) and win ties, so a pair with (i + 1)(r + 1) > budget is
     never among the top ``budget`` of its depth. About budget * ln(budget) pairs
     remain instead of budget * k. Sorted by (i, r): the tie-break order.
+    Built on the host once per (budget, k, device): nonzero() on a GPU would sync.
     """
-    i = torch.arange(budget, device=device).unsqueeze(1)
-    r = torch.arange(k, device=device).unsqueeze(0)
-    keep = (i + 1) * (r + 1) <= budget
-    pi, pr = torch.nonzero(keep, as_tuple=True)
-    return pi, pr
+    i = torch.arange(budget).unsqueeze(1)
+    r = torch.arange(k).unsqueeze(0)
+    pi, pr = torch.nonzero((i + 1) * (r + 1) <= budget, as_tuple=True)
+    return pi.to(device), pr.to(device)
 
 
 def build_ddtree(
@@ -229,7 +231,6 @@ def build_ddtree(
 
     # Per depth, the top `cap` nodes in tie-break order: scores, the position of
     # the parent in the previous depth's list, and the draft rank.
-    neg_inf = torch.tensor(float("-inf"), device=device)
     level_scores = []
     level_parent_pos = []
     level_rank = []
@@ -261,7 +262,7 @@ def build_ddtree(
     sel_scores, sel = sel_scores[:, :cap], sel[:, :cap]  # [R, cap]
 
     node_slot = torch.arange(cap, device=device).unsqueeze(0)
-    valid = sel_scores > neg_inf
+    valid = sel_scores > float("-inf")
     if per_req_budget is not None:
         valid &= node_slot < per_req_budget.to(device).unsqueeze(1)
     sel_depth0 = sel // cap  # 0-based depth level
@@ -290,7 +291,7 @@ def build_ddtree(
     parents = torch.cat([zero - 1, torch.where(valid, parent_local, -1)], dim=1)
     depths = torch.cat([zero, torch.where(valid, sel_depth0 + 1, 0)], dim=1)
     scores = torch.cat(
-        [torch.zeros(num_reqs, 1, device=device), torch.where(valid, sel_scores, neg_inf)],
+        [torch.zeros(num_reqs, 1, device=device), sel_scores.masked_fill(~valid, float("-inf"))],
         dim=1,
     )
     num_nodes = valid.sum(dim=1)

@@ -109,7 +109,7 @@ def _check_inputs(
                 f"coins must be ([{expected[0]}, {expected[1]}], [{expected[0]}]), got "
                 f"({tuple(node_coins.shape)}, {tuple(final_coins.shape)})"
             )
-    params.validate(tree.num_reqs, target_logits.device)
+    params.validate(tree.num_reqs, target_logits.device, check_values=validate_values)
     if validate_values:  # synchronizes with the device
         if torch.isnan(target_logits).any() or torch.isposinf(target_logits).any():
             raise ValueError("target_logits contains NaN or +inf values")
