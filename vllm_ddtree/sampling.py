@@ -54,6 +54,9 @@ class TreeSamplingParams:
     min_p: torch.Tensor | None = None
     # Request index -> generator for seeded requests.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Host-side hint (like vLLM's SamplingMetadata.all_greedy): every request is
+    # greedy, so no distribution needs computing. False when unknown.
+    all_greedy: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -66,7 +69,7 @@ class TreeSamplingParams:
 
     @classmethod
     def greedy(cls, num_reqs: int, device: torch.device | str = "cpu") -> TreeSamplingParams:
-        return cls(temperature=torch.zeros(num_reqs, device=device))
+        return cls(temperature=torch.zeros(num_reqs, device=device), all_greedy=True)
 
     @classmethod
     def from_lists(
@@ -103,6 +106,7 @@ class TreeSamplingParams:
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device) if top_p_used else None,
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if min_p_used else None,
             generators=generators,
+            all_greedy=all(t < SAMPLING_EPS for t in temperature),
         )
 
     def validate(self, num_reqs: int, device: torch.device, check_values: bool = True) -> None:
@@ -134,7 +138,8 @@ class TreeSamplingParams:
         """Per-row parameters for rows owned by requests ``rows`` (generators dropped)."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return TreeSamplingParams(
-            pick(self.temperature), pick(self.top_k), pick(self.top_p), pick(self.min_p)
+            pick(self.temperature), pick(self.top_k), pick(self.top_p), pick(self.min_p),
+            all_greedy=self.all_greedy,
         )
 
 

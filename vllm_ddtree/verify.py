@@ -204,6 +204,8 @@ def verify_tree_torch(
 
     def step_distribution(node: torch.Tensor):
         raw = target_logits[req, node].float()  # [R, V]
+        if params.all_greedy:
+            return raw, None
         z = apply_sampling_params(raw.clone(), params)
         m = z.amax(dim=-1, keepdim=True)
         e = torch.exp(z - m)  # float32; removed tokens -> 0
@@ -213,9 +215,11 @@ def verify_tree_torch(
         raw, e = step_distribution(cur)
         children = (tree.parents == cur.unsqueeze(1)) & active.unsqueeze(1)  # [R, rows]
         # Greedy rows and sample_walk: the node's token, then a child carrying it.
-        token = torch.where(greedy, raw.argmax(dim=-1), _inverse_cdf(e, node_coins[req, cur]))
+        token = raw.argmax(dim=-1)
+        if e is not None:
+            token = torch.where(greedy, token, _inverse_cdf(e, node_coins[req, cur]))
         match = children & (tree.tokens == token.unsqueeze(1))
-        if rejection:
+        if rejection and e is not None:
             # Running CDF of the children's target mass in draft-rank (index) order.
             e_child = torch.where(children, e.gather(1, tree.tokens.clamp(min=0)), 0.0).double()
             total = e.double().sum(dim=-1, keepdim=True)
@@ -236,7 +240,9 @@ def verify_tree_torch(
     num_accepted = (accepted[:, 1:] >= 0).sum(dim=1)
     # The bonus / correction token at the last accepted node.
     raw, e = step_distribution(cur)
-    if rejection:
+    if e is None:
+        sampled = None
+    elif rejection:
         rejected = (tree.parents == cur.unsqueeze(1))  # every child was rejected
         # Count, not assign: several rows may carry one token (root, padding).
         drop = torch.zeros(e.shape, dtype=torch.int32, device=device)
@@ -247,7 +253,9 @@ def verify_tree_torch(
         sampled = torch.where(e_res.sum(dim=-1) > 0, sampled, _inverse_cdf(e, final_coins))
     else:
         sampled = _inverse_cdf(e, node_coins[req, cur])
-    bonus = torch.where(greedy, raw.argmax(dim=-1), sampled)
+    bonus = raw.argmax(dim=-1)
+    if sampled is not None:
+        bonus = torch.where(greedy, bonus, sampled)
 
     path_tokens = tree.tokens.gather(1, accepted[:, 1:].clamp(min=0))
     committed = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
