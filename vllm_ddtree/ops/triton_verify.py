@@ -42,10 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tree_verify_triton"]
+from vllm_ddtree.sampling import SAMPLING_EPS
 
-# vllm_ddtree.sampling.SAMPLING_EPS, compared in float32 as torch does.
-_GREEDY_EPS = 1e-5
+__all__ = ["tree_verify_triton"]
 _MAX_BLOCK_V = 1024
 
 
@@ -198,7 +197,7 @@ def _tree_verify_kernel(
     max_depth,  # L
     ts_bits,  # threshold_single, float64 bits as int64
     ta_bits,  # threshold_acc, float64 bits as int64
-    GREEDY_EPS: tl.constexpr,
+    GREEDY_EPS: tl.constexpr,  # temperature < eps (compared in float32) => greedy
     METHOD: tl.constexpr,  # 0 = sample_walk, 1 = rejection
     BLOCK_V: tl.constexpr,  # vocab block
     BLOCK_W: tl.constexpr,  # >= L + 1, power of two
@@ -301,6 +300,8 @@ def tree_verify_triton(
     method: int,
     threshold_single: float,
     threshold_acc: float,
+    *,
+    block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verifies R draft trees with one Triton program per request.
 
@@ -313,6 +314,8 @@ def tree_verify_triton(
         max_depth: L, the deepest possible node.
         method: 0 = sample_walk, 1 = rejection.
         threshold_single, threshold_acc: rejection relaxations (1.0 = exact).
+        block_v: vocab block per loop step, a power of two (default
+            ``min(1024, next_power_of_2(V))``); tests use small ones.
 
     Returns:
         (accepted_indices [R, L + 1], committed_tokens [R, L + 1], num_accepted [R]),
@@ -345,7 +348,11 @@ def tree_verify_triton(
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     if method not in (0, 1):
         raise ValueError(f"method must be 0 (sample_walk) or 1 (rejection), got {method}")
-    if vocab >= 2**31 - _MAX_BLOCK_V:
+    if block_v is None:
+        block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    if vocab >= 2**31 - block_v:
         raise ValueError(f"vocab_size {vocab} is too large")
 
     width = max_depth + 1
@@ -371,9 +378,9 @@ def tree_verify_triton(
         max_depth,
         _f64_bits(threshold_single),
         _f64_bits(threshold_acc),
-        GREEDY_EPS=_GREEDY_EPS,
+        GREEDY_EPS=SAMPLING_EPS,
         METHOD=int(method),
-        BLOCK_V=min(_MAX_BLOCK_V, triton.next_power_of_2(vocab)),
+        BLOCK_V=block_v,
         BLOCK_W=triton.next_power_of_2(width),
         num_warps=4,
         **dict(_launch_options(device.type)),
