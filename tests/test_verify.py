@@ -252,6 +252,7 @@ def _good():
         (lambda t, l: (t, l.to("meta")), "is on meta"),
         (lambda t, l: (t, l.index_fill(2, torch.tensor([3]), float("nan"))), "NaN"),
         (lambda t, l: (t, l.index_fill(2, torch.tensor([3]), float("inf"))), r"\+inf"),
+        (lambda t, l: (t, l.index_fill(1, torch.tensor([2]), float("-inf"))), "every value is -inf"),
     ],
 )
 def test_bad_logits(mutate, match):

@@ -113,6 +113,8 @@ def _check_inputs(
     if validate_values:  # synchronizes with the device
         if torch.isnan(target_logits).any() or torch.isposinf(target_logits).any():
             raise ValueError("target_logits contains NaN or +inf values")
+        if torch.isneginf(target_logits).all(dim=-1).any():
+            raise ValueError("target_logits has a row where every value is -inf")
         if coins is not None and not bool(((coins[0] >= 0) & (coins[0] < 1)).all()
                                           & ((coins[1] >= 0) & (coins[1] < 1)).all()):
             raise ValueError("coins must lie in [0, 1)")
