@@ -6,8 +6,6 @@ Run with ``TRITON_INTERPRET=0`` on a CUDA machine to test the compiled kernel.
 """
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -17,16 +15,14 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-# Triton fixes interpret mode when each @triton.jit function is defined, its own
-# library (tl.max, tl.sum...) included. If triton was imported before
-# TRITON_INTERPRET was set (vLLM, imported by another test module, does), its
-# kernels cannot run interpreted in this process: the tests rerun in a fresh one.
-_CHILD = "VLLM_DDTREE_TRITON_TEST_CHILD"
-RERUN = (
-    os.environ["TRITON_INTERPRET"] == "1"
-    and not isinstance(triton.language.standard.max, InterpretedFunction)
-    and os.environ.get(_CHILD) != "1"
-)
+# Triton fixes interpret mode when each @triton.jit function is defined, so
+# TRITON_INTERPRET must be set before anything imports triton: tests/conftest.py
+# does it for the whole session.
+if os.environ["TRITON_INTERPRET"] == "1" and not isinstance(
+    triton.language.standard.max, InterpretedFunction
+):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set",
+                allow_module_level=True)
 
 import torch  # noqa: E402
 
@@ -52,21 +48,6 @@ CONFIGS = [
     (3, 3, 2, 20, 1, None),
     (4, 6, 6, 64, 24, 32),
 ]
-
-
-if RERUN:
-
-    def test_in_fresh_process():
-        env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD: "1"})
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_triton_only(request):
-    if RERUN and request.node.name != "test_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 (see test_in_fresh_process)")
 
 
 def make_case(seed, num_reqs, depth, vocab, budget):
