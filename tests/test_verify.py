@@ -286,3 +286,17 @@ def test_bad_params_and_options():
                     coins=(torch.ones(1, 7), torch.rand(1)))
     with pytest.raises(ValueError, match="backend"):
         verify_tree(tree, logits, backend="fortran")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_placeholder_tokens_are_never_accepted(method):
+    # vLLM pads missing drafts with -1; such a node has no target mass.
+    tree = tree_from_parents([[-1, 0, 1]], [[3, -1, -1]], max_depth=2)
+    logits = torch.full((1, 3, VOCAB), -50.0)
+    logits[:, :, 0] = 50.0  # token 0 takes all the mass: clamping -1 to 0 would accept
+    params = TreeSamplingParams.from_lists([1.0])
+    for coin in (0.0, 0.5, 1.0 - 2**-24):
+        coins = (torch.full((1, 3), coin), torch.full((1,), coin))
+        out = verify_tree(tree, logits, params, method=method, coins=coins)
+        assert out.num_accepted.item() == 0 and out.committed_tokens[0, 0] == 0
+    assert verify_tree(tree, logits).num_accepted.item() == 0

@@ -223,8 +223,12 @@ def verify_tree_torch(
         match = children & (tree.tokens == token.unsqueeze(1))
         if rejection and e is not None:
             # Running CDF of the children's target mass in draft-rank (index) order.
-            e_child = torch.where(children, e.gather(1, tree.tokens.clamp(min=0)), 0.0).double()
-            total = e.double().sum(dim=-1, keepdim=True)
+            # Tokens outside [0, V) (e.g. -1 placeholders) have no target mass.
+            in_vocab = (tree.tokens >= 0) & (tree.tokens < vocab)
+            e_tok = e.gather(1, tree.tokens.clamp(0, vocab - 1))
+            e_child = torch.where(children & in_vocab, e_tok, 0.0).double()
+            # The same float64 total as the inverse CDF's (its last prefix sum).
+            total = e.double().cumsum(dim=-1)[:, -1:]
             acc = e_child.cumsum(dim=1)
             coin = node_coins[req, cur].double().unsqueeze(1)
             take = (e_child > 0) & (
@@ -248,7 +252,8 @@ def verify_tree_torch(
         rejected = (tree.parents == cur.unsqueeze(1))  # every child was rejected
         # Count, not assign: several rows may carry one token (root, padding).
         drop = torch.zeros(e.shape, dtype=torch.int32, device=device)
-        drop.scatter_add_(1, tree.tokens.clamp(min=0), rejected.to(torch.int32))
+        in_vocab = (tree.tokens >= 0) & (tree.tokens < vocab)
+        drop.scatter_add_(1, tree.tokens.clamp(0, vocab - 1), (rejected & in_vocab).to(torch.int32))
         e_res = torch.where(drop > 0, 0.0, e)
         sampled = _inverse_cdf(e_res, final_coins)
         # All mass on rejected children can only come from float rounding.
