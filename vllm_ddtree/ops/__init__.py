@@ -101,6 +101,9 @@ def tree_verify_dispatch(
         from vllm_ddtree.ops.triton_verify import tree_verify_triton as kernel
     else:
         from vllm_ddtree.ops.cuda_ext import tree_verify_cuda as kernel
+
+        if params.all_greedy:
+            temperature = None  # the greedy-only kernel: no distributions at all
     accepted, committed, num_accepted = kernel(
         logits,
         tree.tokens,
