@@ -1,0 +1,354 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The "current tree-attention batch" of the verify forward, and its K/V stash.
+
+The runner sets a :class:`TreeAttentionBatch` around the **target** model's forward
+only (never around the drafter's or a dummy run)::
+
+    with attn_context.tree_attention(batch):
+        hidden = model(...)
+
+While it is active, ``DDTreeCPUAttentionImpl.forward`` (``cpu_attention.py``) gives
+the tree rows of every listed request ancestor-only attention, and stashes each
+layer's tree-block K/V so that :func:`commit_kv` can later move the accepted path
+to contiguous cache slots. The batch object outlives the ``with`` block: the
+commit runs after the forward, from ``_sample``.
+
+Row spaces
+----------
+* **batch rows**: the forward's query rows, in ``attn_metadata.query_start_loc``
+  order (request ``r`` owns rows ``query_start_loc[r] .. query_start_loc[r+1]-1``).
+* **tree rows**: the tree blocks of the listed requests concatenated in list order
+  (= batch order). Request ``k`` of the list owns tree rows
+  ``tree_block_starts[k] .. tree_block_starts[k] + T_k - 1``, node ``i`` of its
+  tree at ``tree_block_starts[k] + i``. When every request of the batch verifies
+  a tree occupying its whole query, both spaces coincide.
+
+Shapes (per listed request, ``T = T_r``, ``nc = nc_r``)
+------------------------------------------------------
+* ``visibility``: ``[T, T]`` bool, ``visibility[i, j]``: node ``j`` is node ``i``
+  or one of its ancestors (``DraftTree.visibility[r, :T, :T]``).
+* Its tree block occupies batch rows ``query_start_loc[r] + row_offset + i``,
+  ``i < T``, at linear cache positions ``nc + i`` (slots already allocated by
+  vLLM); its root is at position ``nc``; positions ``0 .. nc-1`` (the committed
+  prefix, plus any earlier rows of the same request in this forward) are read
+  from the paged cache.
+
+Per-layer stash (:class:`LayerKVStash`), ``M`` = total tree rows of the batch:
+``key`` ``[M, Hkv, D]`` and ``value`` ``[M, Hkv, Dv]`` (post-RoPE, cloned),
+``slot_mapping`` ``[M]`` int64, ``batch_rows`` ``[M]`` int64, plus the layer's
+``kv_cache`` (``[num_blocks, Hkv, block_size, 2 * D]``, ISA-packed), ``isa``,
+``k_scale``, ``v_scale`` and ``kv_cache_dtype``: exactly what
+``ops.cpu_attn_reshape_and_cache`` needs to re-write entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "LayerKVStash",
+    "TreeAttentionBatch",
+    "TreeRequest",
+    "clear",
+    "commit_kv",
+    "current",
+    "last",
+    "set",
+    "tree_attention",
+]
+
+
+@dataclass(frozen=True)
+class TreeRequest:
+    """One request of the batch that verifies a tree."""
+
+    # Index of the request in the batch (row of query_start_loc / block_table).
+    req_index: int
+    # First row of the tree block inside the request's query rows (usually
+    # query_len - T: the tree block ends the request's rows).
+    row_offset: int
+    # T_r: tree-block rows (root + real nodes).
+    num_rows: int
+    # nc_r: committed prefix length = the root's (linear) position.
+    prefix_len: int
+    # [T_r, T_r] bool ancestor-or-self mask (row i may attend to column j).
+    visibility: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.req_index < 0 or self.row_offset < 0 or self.prefix_len < 0:
+            raise ValueError(f"negative index in {self!r}")
+        if self.num_rows < 1:
+            raise ValueError(f"a tree block has at least its root, got {self.num_rows}")
+        vis = self.visibility
+        if vis.dtype != torch.bool or tuple(vis.shape) != (self.num_rows,) * 2:
+            raise ValueError(
+                f"visibility must be a [{self.num_rows}, {self.num_rows}] bool "
+                f"tensor, got {vis.dtype} {tuple(vis.shape)}"
+            )
+
+
+@dataclass
+class LayerKVStash:
+    """One attention layer's tree-block K/V, kept for :func:`commit_kv`."""
+
+    # [M, Hkv, D] post-RoPE keys of the batch's tree rows (tree-row order).
+    key: torch.Tensor
+    # [M, Hkv, Dv] values of the same rows.
+    value: torch.Tensor
+    # [M] int64 cache slots the forward wrote these rows to (linear positions).
+    slot_mapping: torch.Tensor
+    # [M] int64 batch rows of these tree rows.
+    batch_rows: torch.Tensor
+    # The layer's paged cache, [num_blocks, Hkv, block_size, 2 * D] (a reference).
+    kv_cache: torch.Tensor
+    isa: str
+    k_scale: float
+    v_scale: float
+    kv_cache_dtype: str
+
+    def write(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Re-writes the K/V of stash rows ``src`` at the slots of rows ``dst``."""
+        from vllm import _custom_ops as ops
+
+        num_blocks, num_kv_heads, block_size, _ = self.kv_cache.shape
+        cache = self.kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            self.key.index_select(0, src).contiguous(),
+            self.value.index_select(0, src).contiguous(),
+            key_cache,
+            value_cache,
+            self.slot_mapping.index_select(0, dst).contiguous(),
+            self.isa,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+
+@dataclass
+class TreeAttentionBatch:
+    """The tree requests of one verify forward, and the K/V stash it fills."""
+
+    requests: tuple[TreeRequest, ...]
+    # Stash each layer's tree K/V during the forward (needed by commit_kv).
+    stash_kv: bool = True
+    # layer name -> stash, filled by the attention impl during the forward.
+    stash: dict[str, LayerKVStash] = field(default_factory=dict)
+    # Per-metadata plans cached by the attention impl (one forward, many layers).
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.requests = tuple(self.requests)
+        idx = [r.req_index for r in self.requests]
+        if any(b <= a for a, b in zip(idx, idx[1:])):
+            raise ValueError(
+                f"tree requests must be listed in increasing batch order, got {idx}"
+            )
+
+    @classmethod
+    def from_tree(
+        cls,
+        tree,
+        tree_rows: Sequence[int],
+        req_indices: Sequence[int],
+        row_offsets: Sequence[int],
+        num_rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        stash_kv: bool = True,
+    ) -> TreeAttentionBatch:
+        """Builds the batch from a :class:`vllm_ddtree.tree.DraftTree`.
+
+        ``tree_rows[k]`` is the row of ``tree`` (request axis) describing listed
+        request ``k``; its visibility is ``tree.visibility[tree_rows[k], :T, :T]``
+        with ``T = num_rows[k]`` (a prefix-closed truncation of the tree).
+        """
+        vis = tree.visibility.to("cpu")
+        reqs = tuple(
+            TreeRequest(
+                req_index=int(ri),
+                row_offset=int(off),
+                num_rows=int(t),
+                prefix_len=int(nc),
+                visibility=vis[int(tr), : int(t), : int(t)].contiguous(),
+            )
+            for tr, ri, off, t, nc in zip(
+                tree_rows, req_indices, row_offsets, num_rows, prefix_lens, strict=True
+            )
+        )
+        return cls(reqs, stash_kv=stash_kv)
+
+    @classmethod
+    def from_block_starts(
+        cls,
+        tree,
+        block_starts: Sequence[int] | torch.Tensor,
+        query_start_loc: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
+        num_drafts: Sequence[int],
+        include_root_only: bool = False,
+        stash_kv: bool = True,
+    ) -> TreeAttentionBatch:
+        """Builds the batch from one tree row per batch request (``StepTrees``).
+
+        Request ``r``'s tree block starts at batch row ``block_starts[r]`` and has
+        ``T = num_drafts[r] + 1`` rows; ``seq_lens[r]`` counts its cached tokens
+        after this forward (``num_computed + num_scheduled``), so the root's
+        position is ``nc = seq_lens[r] - (query_start_loc[r + 1] - block_starts[r])``.
+        Root-only blocks (no drafts) attend exactly as the stock kernel does and
+        are left out unless ``include_root_only``.
+        """
+
+        def as_list(x):
+            return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+        starts, qsl, lens = as_list(block_starts), as_list(query_start_loc), as_list(seq_lens)
+        rows, reqs, offs, sizes, prefix = [], [], [], [], []
+        for r, n in enumerate(num_drafts):
+            if n == 0 and not include_root_only:
+                continue
+            rows.append(r)
+            reqs.append(r)
+            offs.append(starts[r] - qsl[r])
+            sizes.append(int(n) + 1)
+            prefix.append(lens[r] - (qsl[r + 1] - starts[r]))
+        return cls.from_tree(tree, rows, reqs, offs, sizes, prefix, stash_kv=stash_kv)
+
+    @property
+    def num_tree_rows(self) -> int:
+        """M: total tree rows (sum of T_r)."""
+        return sum(r.num_rows for r in self.requests)
+
+    @property
+    def tree_block_starts(self) -> list[int]:
+        """First tree row (the root) of each listed request, in tree-row space."""
+        starts, acc = [], 0
+        for r in self.requests:
+            starts.append(acc)
+            acc += r.num_rows
+        return starts
+
+    def commit_kv(
+        self, moves: tuple[torch.Tensor, torch.Tensor], row_space: str = "tree"
+    ) -> int:
+        """Re-writes K/V of rows ``src`` at the cache slots of rows ``dst``.
+
+        Args:
+            moves: ``(src_rows, dst_rows)``, equal-length int tensors (or lists),
+                e.g. ``vllm_ddtree.commit.plan_commit(...)``'s ``src_rows`` and
+                ``dst_rows``. Self-moves (src == dst) are skipped. Moves must be
+                race-free as a gather-then-scatter: every source is read from the
+                stash (the K/V the forward computed), never from the cache.
+            row_space: ``"tree"`` (default): indices into the concatenated tree
+                rows (see the module doc); ``"batch"``: the forward's query rows.
+
+        Applies to every stashed layer through ``ops.cpu_attn_reshape_and_cache``,
+        so it never depends on the ISA-packed layout. Returns the number of rows
+        moved per layer.
+        """
+        src, dst = moves
+        src = torch.as_tensor(src, dtype=torch.int64).reshape(-1).cpu()
+        dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1).cpu()
+        if src.shape != dst.shape:
+            raise ValueError(
+                f"src_rows and dst_rows differ in length: {src.numel()} vs {dst.numel()}"
+            )
+        keep = src != dst
+        src, dst = src[keep], dst[keep]
+        if src.numel() == 0:
+            return 0
+        if not self.stash:
+            raise RuntimeError(
+                "commit_kv: no K/V was stashed (did the target forward run with "
+                "this tree-attention batch active and stash_kv=True?)"
+            )
+        if row_space == "batch":
+            src, dst = self._batch_to_tree_rows(src), self._batch_to_tree_rows(dst)
+        elif row_space != "tree":
+            raise ValueError(f"row_space must be 'tree' or 'batch', got {row_space!r}")
+        m = self.num_tree_rows
+        if int(src.min()) < 0 or int(dst.min()) < 0 or max(
+            int(src.max()), int(dst.max())
+        ) >= m:
+            raise IndexError(f"commit_kv: a row is outside the {m} tree rows")
+        for layer_stash in self.stash.values():
+            layer_stash.write(src, dst)
+        return int(src.numel())
+
+    def _batch_to_tree_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        batch_rows = next(iter(self.stash.values())).batch_rows
+        lookup = torch.full(
+            (int(batch_rows.max()) + 1,), -1, dtype=torch.int64
+        )
+        lookup[batch_rows] = torch.arange(batch_rows.numel())
+        if int(rows.min()) < 0 or int(rows.max()) >= lookup.numel():
+            raise IndexError("commit_kv: a batch row is not a tree row")
+        out = lookup[rows]
+        if bool((out < 0).any()):
+            raise IndexError("commit_kv: a batch row is not a tree row")
+        return out
+
+    def release(self) -> None:
+        """Drops the stash and cached plans (the cache references included)."""
+        self.stash.clear()
+        self._plans.clear()
+
+
+_CURRENT: TreeAttentionBatch | None = None
+_LAST: TreeAttentionBatch | None = None
+
+
+def set(batch: TreeAttentionBatch | None) -> None:  # noqa: A001 - module API
+    """Makes ``batch`` the current tree-attention batch (None clears)."""
+    global _CURRENT, _LAST
+    if batch is not None and not isinstance(batch, TreeAttentionBatch):
+        raise TypeError(f"expected a TreeAttentionBatch, got {type(batch).__name__}")
+    _CURRENT = batch
+    if batch is not None:
+        _LAST = batch
+
+
+def clear() -> None:
+    """No tree attention from now on (the last batch stays reachable by last())."""
+    global _CURRENT
+    _CURRENT = None
+
+
+def current() -> TreeAttentionBatch | None:
+    """The active batch, or None outside a target verify forward."""
+    return _CURRENT
+
+
+def last() -> TreeAttentionBatch | None:
+    """The most recently set batch, active or not (for the commit after the forward)."""
+    return _LAST
+
+
+@contextlib.contextmanager
+def tree_attention(batch: TreeAttentionBatch | None) -> Iterator[TreeAttentionBatch | None]:
+    """``with tree_attention(batch):`` sets it for the block, then restores."""
+    global _CURRENT
+    previous = _CURRENT
+    set(batch)
+    try:
+        yield batch
+    finally:
+        _CURRENT = previous
+
+
+def commit_kv(
+    moves: tuple[torch.Tensor, torch.Tensor],
+    batch: TreeAttentionBatch | None = None,
+    row_space: str = "tree",
+) -> int:
+    """:meth:`TreeAttentionBatch.commit_kv` on ``batch`` (default: the current
+    batch, else the most recently set one)."""
+    if batch is None:
+        batch = _CURRENT if _CURRENT is not None else _LAST
+    if batch is None:
+        raise RuntimeError("commit_kv: no tree-attention batch was set")
+    return batch.commit_kv(moves, row_space=row_space)

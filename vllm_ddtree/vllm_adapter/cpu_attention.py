@@ -1,0 +1,415 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU_ATTN with ancestor-only attention for DDTree's tree-verify forward.
+
+``DDTreeCPUAttentionBackend`` replaces vLLM's ``CPU_ATTN`` (same name, builder,
+metadata and KV-cache write). Its impl runs the stock kernel for the whole batch,
+then, only while a tree-attention batch is active (``attn_context``, set by the
+runner around the target forward) and only for decoder self-attention layers,
+recomputes every tree row with torch SDPA over
+
+    [committed prefix K/V, read from the paged cache ; the tree block's own K/V]
+
+with the mask ``[ones(T, nc) | visibility]``, and stashes the tree K/V for the
+commit. Everything else (prefill, plain decode, the drafter's non-causal pass,
+non-tree rows of a verify batch) is the stock kernel's output, bit for bit.
+
+Why recompute: the kernel takes only causal / sliding window / alibi / softcap /
+sinks, no mask, and returns no log-sum-exp, so its prefix part cannot be merged
+with a separately computed tree part.
+
+Reading the prefix: the CPU cache ``[num_blocks, Hkv, block_size, 2 * D]`` is
+viewed as ``[num_blocks, Hkv, 2 * block_size, D]`` and split into K (first half)
+and V (second half); inside each (block, head) the ``block_size * D`` entries are
+ISA-packed (for ``vec``/``vec16``: K transposed ``[D, block_size]``, V plain
+``[block_size, D]``). The packing is not assumed: :func:`packed_layout` derives
+it once per (isa, dtype, block_size, head_dim) by writing coded values through
+``ops.cpu_attn_reshape_and_cache`` into a scratch block, and self-tests it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+)
+
+from vllm_ddtree.vllm_adapter import attn_context
+
+__all__ = [
+    "DDTreeCPUAttentionBackend",
+    "DDTreeCPUAttentionImpl",
+    "PackedLayoutError",
+    "packed_layout",
+    "register_tree_attention_backend",
+    "unpack_blocks",
+    "unpack_prefix",
+]
+
+BACKEND_PATH = "vllm_ddtree.vllm_adapter.cpu_attention.DDTreeCPUAttentionBackend"
+
+
+# --------------------------------------------------------------------------------
+# The ISA-packed cache layout, derived by probing the official write op.
+# --------------------------------------------------------------------------------
+
+
+class PackedLayoutError(RuntimeError):
+    """The probe could not derive (or verify) the packed KV-cache layout."""
+
+
+_DIGIT_BITS = 4  # base-16 digits: codes 1..16 are exact in fp16, bf16 and fp32
+_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nb, Hkv, bs, 2D] -> key_cache, value_cache views [nb, Hkv, bs, D] (as vLLM)."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    kv = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+def _write(key, value, kv_cache, slots, isa, kv_cache_dtype="auto"):
+    key_cache, value_cache = _split_cache(kv_cache)
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_cache_dtype
+    )
+
+
+def _probe(isa: str, dtype: torch.dtype, block_size: int, head_dim: int):
+    """Where each (token t, dim d) of K and of V lands inside one (block, head).
+
+    Writes, one base-16 digit at a time, ``digit(t * D + d) + 1`` as both key and
+    value of token ``t`` (slot ``t`` of a one-block, one-head scratch cache filled
+    with -1), and reads the digits back from every packed position.
+    """
+    n = block_size * head_dim
+    num_digits = max(1, math.ceil(math.log2(n) / _DIGIT_BITS)) if n > 1 else 1
+    code = torch.arange(n, dtype=torch.int64)
+    decoded = torch.zeros(2, n, dtype=torch.int64)  # packed position -> t * D + d
+    scratch = torch.empty(1, 1, block_size, 2 * head_dim, dtype=dtype)
+    slots = torch.arange(block_size, dtype=torch.int64)
+    for i in range(num_digits):
+        digit = (code >> (_DIGIT_BITS * i)) & ((1 << _DIGIT_BITS) - 1)
+        rows = (digit + 1).to(dtype).view(block_size, 1, head_dim).contiguous()
+        scratch.fill_(-1)
+        _write(rows, rows.clone(), scratch, slots, isa)
+        raw = scratch.view(2, n).to(torch.float32)  # [K region ; V region]
+        got = raw.round().to(torch.int64) - 1
+        if not torch.equal(got.to(torch.float32) + 1, raw) or bool(
+            ((got < 0) | (got >= 1 << _DIGIT_BITS)).any()
+        ):
+            raise PackedLayoutError(
+                f"cpu_attn_reshape_and_cache(isa={isa!r}, dtype={dtype}, "
+                f"block_size={block_size}, head_dim={head_dim}) does not store "
+                "each entry as a plain copy (unwritten or transformed entries)"
+            )
+        decoded += got << (_DIGIT_BITS * i)
+    index = []
+    for part, name in ((decoded[0], "K"), (decoded[1], "V")):
+        if not torch.equal(part.sort().values, code):
+            raise PackedLayoutError(
+                f"the packed {name} layout for isa={isa!r}, dtype={dtype}, "
+                f"block_size={block_size}, head_dim={head_dim} is not a "
+                "permutation of one block's entries"
+            )
+        unpack = torch.empty(n, dtype=torch.int64)
+        unpack[part] = torch.arange(n, dtype=torch.int64)  # plain index -> packed pos
+        index.append(unpack)
+    return index[0], index[1]
+
+
+def _self_test(isa, dtype, block_size, head_dim, k_index, v_index) -> None:
+    """unpack(pack(x)) == x over several blocks and heads, random slots."""
+    g = torch.Generator().manual_seed(1234)
+    num_blocks, num_kv_heads = 3, 2
+    num_tokens = num_blocks * block_size
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_tokens, generator=g)
+    cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    _write(key, value, cache, slots, isa)
+    k_all, v_all = _unpack(cache, torch.arange(num_blocks), k_index, v_index)
+    if not (torch.equal(k_all[slots], key) and torch.equal(v_all[slots], value)):
+        raise PackedLayoutError(
+            f"probed KV-cache layout failed its self-test (isa={isa!r}, dtype={dtype}, "
+            f"block_size={block_size}, head_dim={head_dim}): the packing is not a "
+            "per-block, per-head permutation"
+        )
+
+
+def packed_layout(
+    isa: str, dtype: torch.dtype, block_size: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack indices ``(k_index, v_index)``, each ``[block_size * head_dim]`` int64.
+
+    For one (block, head), with ``packed_k`` the ``block_size * D`` entries of its K
+    region (the first half of ``kv_cache.view(nb, Hkv, 2 * bs * D)[b, h]``),
+    ``plain_k[t * D + d] = packed_k[k_index[t * D + d]]``; the same for V (second
+    half). Cached per (isa, dtype, block_size, head_dim); probed and self-tested on
+    first use; raises :class:`PackedLayoutError` if the probe fails.
+    """
+    key = (isa, dtype, int(block_size), int(head_dim))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        with _LAYOUTS_LOCK:
+            layout = _LAYOUTS.get(key)
+            if layout is None:
+                try:
+                    layout = _probe(isa, dtype, int(block_size), int(head_dim))
+                except PackedLayoutError:
+                    raise
+                except Exception as e:  # the op refused the configuration
+                    raise PackedLayoutError(
+                        f"probing the CPU KV-cache layout failed for isa={isa!r}, "
+                        f"dtype={dtype}, block_size={block_size}, head_dim={head_dim}: {e}"
+                    ) from e
+                _self_test(isa, dtype, int(block_size), int(head_dim), *layout)
+                _LAYOUTS[key] = layout
+    return layout
+
+
+def _unpack(kv_cache, block_ids, k_index, v_index):
+    num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
+    n = block_size * head_dim
+    blocks = kv_cache.index_select(0, block_ids).view(-1, num_kv_heads, 2, n)
+    k = blocks[:, :, 0].index_select(-1, k_index)
+    v = blocks[:, :, 1].index_select(-1, v_index)
+
+    def tokens_major(x):  # [nb, Hkv, bs * D] -> [nb * bs, Hkv, D]
+        x = x.view(-1, num_kv_heads, block_size, head_dim).transpose(1, 2)
+        return x.reshape(-1, num_kv_heads, head_dim)
+
+    return tokens_major(k), tokens_major(v)
+
+
+def unpack_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, isa: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole blocks ``block_ids``, ``[len(block_ids) * bs, Hkv, D]`` each,
+    token-major (token ``i`` = block ``i // bs``, offset ``i % bs``)."""
+    _, _, block_size, two_d = kv_cache.shape
+    k_index, v_index = packed_layout(isa, kv_cache.dtype, block_size, two_d // 2)
+    block_ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+    return _unpack(kv_cache, block_ids, k_index, v_index)
+
+
+def unpack_prefix(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int, isa: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_tokens`` cached K and V of one sequence, ``[n, Hkv, D]`` each.
+
+    Args:
+        kv_cache: ``[num_blocks, Hkv, block_size, 2 * D]``, ISA-packed.
+        block_table_row: the sequence's block ids (``attn_metadata.block_table[r]``).
+        num_tokens: positions ``0 .. num_tokens - 1`` are returned.
+        isa: ``layer.isa`` (as set by the CPU metadata builder).
+    """
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-num_tokens // block_size)
+    k, v = unpack_blocks(kv_cache, block_table_row[:num_blocks], isa)
+    return k[:num_tokens], v[:num_tokens]
+
+
+# --------------------------------------------------------------------------------
+# Backend and impl.
+# --------------------------------------------------------------------------------
+
+
+class _ForwardPlan:
+    """Per (tree batch, metadata): batch rows, block ids and masks of the tree
+    requests, shared by every layer of one forward."""
+
+    def __init__(self, batch, metadata: CPUAttentionMetadata, block_size: int):
+        qsl = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        num_reqs = len(qsl) - 1
+        num_actual = int(metadata.num_actual_tokens)
+        self.metadata = metadata  # keeps id(metadata) unique while cached
+        self.entries = []  # (first batch row, T, nc, block ids, mask [T, nc + T])
+        rows = []
+        for req in batch.requests:
+            r, t, nc = req.req_index, req.num_rows, req.prefix_len
+            if r >= num_reqs:
+                raise ValueError(
+                    f"tree request {r} is outside the batch of {num_reqs} requests"
+                )
+            q0 = qsl[r] + req.row_offset
+            q_len = qsl[r + 1] - qsl[r]
+            if req.row_offset + t > q_len or q0 + t > num_actual:
+                raise ValueError(
+                    f"tree block of request {r} (offset {req.row_offset}, {t} rows) "
+                    f"exceeds its {q_len} query rows"
+                )
+            linear_root = seq_lens[r] - q_len + req.row_offset
+            if nc != linear_root:
+                raise ValueError(
+                    f"tree request {r}: prefix_len {nc} but its tree block starts at "
+                    f"cache position {linear_root} (seq_len {seq_lens[r]}, query "
+                    f"rows {q_len}, offset {req.row_offset})"
+                )
+            ids = metadata.block_table[r, : -(-nc // block_size)].to(torch.int64).clone()
+            mask = torch.cat(
+                [torch.ones(t, nc, dtype=torch.bool), req.visibility.to("cpu")], dim=1
+            )
+            self.entries.append((q0, t, nc, ids, mask))
+            rows.append(torch.arange(q0, q0 + t, dtype=torch.int64))
+        self.rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+
+
+def _plan(batch, metadata, block_size) -> _ForwardPlan:
+    key = (id(metadata), block_size)
+    plan = batch._plans.get(key)
+    if plan is None or plan.metadata is not metadata:
+        plan = _ForwardPlan(batch, metadata, block_size)
+        batch._plans[key] = plan
+    return plan
+
+
+class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    """CPU_ATTN impl; tree rows get ancestor-only attention under a tree context."""
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch = attn_context.current()
+        tree_active = (
+            batch is not None
+            and attn_metadata is not None
+            and bool(batch.requests)
+            and self.attn_type == AttentionType.DECODER
+        )
+        if tree_active:
+            self._check_tree_supported(key, value)
+        result = super().forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale,
+            output_block_scale,
+        )
+        if tree_active:
+            self._tree_forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, batch
+            )
+        return result
+
+    def _check_tree_supported(self, key, value) -> None:
+        refused = []
+        if self.sliding_window not in (None, -1):
+            refused.append(f"sliding window ({self.sliding_window})")
+        if self.alibi_slopes is not None:
+            refused.append("alibi")
+        if self.logits_soft_cap not in (None, 0):
+            refused.append(f"logits softcap ({self.logits_soft_cap})")
+        if self.sinks is not None:
+            refused.append("attention sinks")
+        if self.is_fp8_kv_cache:
+            refused.append(f"kv cache dtype {self.kv_cache_dtype!r}")
+        if self.kv_sharing_target_layer_name is not None:
+            refused.append("KV-cache sharing across layers")
+        if key is None or value is None:
+            refused.append("a layer without its own key/value")
+        if refused:
+            raise NotImplementedError(
+                "DDTree tree attention on CPU does not support "
+                + ", ".join(refused)
+                + " (the tree-verify forward needs plain causal decoder attention)"
+            )
+
+    def _tree_forward(
+        self, layer, query, key, value, kv_cache, metadata, output, batch
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        plan = _plan(batch, metadata, block_size)
+        isa = layer.isa
+        num_heads, head_dim = self.num_heads, self.head_size
+        q_all = query.view(query.shape[0], num_heads, head_dim)
+        out_all = output.view(output.shape[0], num_heads, -1)
+        k_index = v_index = None
+        for q0, t, nc, block_ids, mask in plan.entries:
+            q = q_all[q0 : q0 + t].transpose(0, 1).float()  # [H, T, D]
+            k_tree = key[q0 : q0 + t]
+            v_tree = value[q0 : q0 + t]
+            if nc > 0:
+                if k_index is None:
+                    k_index, v_index = packed_layout(
+                        isa, kv_cache.dtype, block_size, kv_cache.shape[3] // 2
+                    )
+                k_pre, v_pre = _unpack(kv_cache, block_ids, k_index, v_index)
+                k_seq = torch.cat([k_pre[:nc], k_tree.to(k_pre.dtype)])
+                v_seq = torch.cat([v_pre[:nc], v_tree.to(v_pre.dtype)])
+            else:
+                k_seq, v_seq = k_tree, v_tree
+            o = F.scaled_dot_product_attention(
+                q,
+                k_seq.transpose(0, 1).float(),  # [Hkv, nc + T, D]
+                v_seq.transpose(0, 1).float(),
+                attn_mask=mask,  # [T, nc + T] bool, True = attend
+                scale=self.scale,
+                enable_gqa=num_heads != self.num_kv_heads,
+            )
+            out_all[q0 : q0 + t] = o.transpose(0, 1).to(out_all.dtype)
+        if batch.stash_kv and plan.rows.numel():
+            name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
+            batch.stash[name] = attn_context.LayerKVStash(
+                key=key.index_select(0, plan.rows),
+                value=value.index_select(0, plan.rows),
+                slot_mapping=metadata.slot_mapping.index_select(0, plan.rows).to(
+                    torch.int64
+                ),
+                batch_rows=plan.rows,
+                kv_cache=kv_cache,
+                isa=isa,
+                k_scale=float(getattr(layer, "_k_scale_float", 1.0)),
+                v_scale=float(getattr(layer, "_v_scale_float", 1.0)),
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+
+
+class DDTreeCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` (same name, builder, metadata and KV write), DDTree-aware impl."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:
+        return DDTreeCPUAttentionImpl
+
+
+def register_tree_attention_backend() -> None:
+    """Makes ``AttentionBackendEnum.CPU_ATTN`` resolve to the DDTree backend.
+
+    Idempotent. Must run in every process that builds a model (engine core and
+    workers) before the model's attention layers are created.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if AttentionBackendEnum.CPU_ATTN.get_path() != BACKEND_PATH:
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
