@@ -25,6 +25,9 @@ __all__ = [
 def register() -> None:
     """vLLM general-plugin entry point (``vllm.general_plugins``).
 
-    The vLLM integration (speculative method ``"ddtree"``) lands with the runtime
-    adapter; until then loading the plugin is a no-op.
+    Runs in every process vLLM starts (frontend, engine core, workers) and makes
+    ``speculative_config={"method": "ddtree", ...}`` available.
     """
+    from vllm_ddtree.vllm_adapter.patches import install
+
+    install()

@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker-side tree of each request between proposing and verifying.
+
+Only the B node tokens of a tree travel to the scheduler and back. The structure
+(parents, hence depths and the mask) stays here, keyed by request id, and is
+re-attached to the tokens the scheduler actually scheduled: a prefix of the node
+list (node order is parents-first, so a prefix is a valid tree). When the
+scheduled tokens are not a prefix of the stored tree (no tree was stored, the
+request was preempted, drafts were replaced), the drafts are verified as a
+chain, which is always lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.tree import DraftTree, tree_from_parents
+
+__all__ = ["TreeStash", "StepTrees", "build_step_trees"]
+
+
+class TreeStash:
+    """req_id -> (node tokens [n], parents [n + 1]) of the last proposed tree."""
+
+    def __init__(self) -> None:
+        self._trees: dict[str, tuple[list[int], list[int]]] = {}
+
+    def put(self, req_ids: list[str], tree: DraftTree) -> None:
+        # One device->host copy per step for the whole batch.
+        tokens = tree.tokens.cpu().tolist()
+        parents = tree.parents.cpu().tolist()
+        counts = tree.num_nodes.cpu().tolist()
+        for b, req_id in enumerate(req_ids):
+            n = counts[b]
+            self._trees[req_id] = (tokens[b][1 : n + 1], parents[b][: n + 1])
+
+    def drop(self, req_id: str) -> None:
+        self._trees.pop(req_id, None)
+
+    def retain(self, req_ids) -> None:
+        """Forgets requests that left the batch."""
+        keep = set(req_ids)
+        for req_id in [r for r in self._trees if r not in keep]:
+            del self._trees[req_id]
+
+    def parents_for(self, req_id: str, scheduled: list[int]) -> list[int]:
+        """Parents (root first) of the scheduled drafts: the stored tree's or a chain."""
+        stored = self._trees.get(req_id)
+        n = len(scheduled)
+        if stored is not None and len(stored[0]) >= n and stored[0][:n] == list(scheduled):
+            return stored[1][: n + 1]
+        return [-1] + list(range(n))
+
+
+@dataclass
+class StepTrees:
+    """The trees verified in one step, for every request of the batch."""
+
+    tree: DraftTree  # rows padded to the longest block of the step
+    # [R] flat row of each request's root in the step's token layout.
+    block_starts: torch.Tensor
+    # Per request: draft tokens scheduled (tree rows 1..n_r are real).
+    num_drafts: list[int]
+
+
+def build_step_trees(
+    req_ids: list[str],
+    scheduled: dict[str, list[int]],
+    query_end: list[int],
+    root_tokens: list[int],
+    stash: TreeStash,
+    device: torch.device,
+) -> StepTrees:
+    """Re-attaches tree structure to the drafts the scheduler scheduled.
+
+    Args:
+        req_ids: the batch's requests, in row order.
+        scheduled: req_id -> draft tokens scheduled this step (may be absent).
+        query_end: per request, the flat row after its last scheduled token.
+        root_tokens: per request, the token at its verify block's first row.
+        stash: trees stored when they were proposed.
+        device: where the tree tensors go.
+    """
+    parents, tokens, num_drafts, starts = [], [], [], []
+    for b, req_id in enumerate(req_ids):
+        drafts = list(scheduled.get(req_id, ()))
+        n = len(drafts)
+        parents.append(stash.parents_for(req_id, drafts))
+        tokens.append([root_tokens[b]] + drafts)
+        num_drafts.append(n)
+        starts.append(query_end[b] - n - 1)
+    depth = _max_depth(parents)
+    tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1), device=device)
+    return StepTrees(tree, torch.tensor(starts, dtype=torch.int64, device=device), num_drafts)
+
+
+def _max_depth(parents: list[list[int]]) -> int:
+    best = 0
+    for par in parents:
+        depth = [0] * len(par)
+        for i in range(1, len(par)):
+            depth[i] = depth[par[i]] + 1
+        best = max(best, max(depth))
+    return best
