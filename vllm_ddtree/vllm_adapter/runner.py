@@ -51,6 +51,10 @@ def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
     runner._ddtree_linear_positions = None
     runner._ddtree_plan = None
     runner._ddtree_attn = None
+    # Device-side counters (no sync): verify steps with a tree, and requests
+    # whose accepted path left the chain (a sibling was accepted somewhere).
+    runner.ddtree_num_tree_verifies = torch.zeros((), dtype=torch.int64, device=runner.device)
+    runner.ddtree_num_branch_paths = torch.zeros((), dtype=torch.int64, device=runner.device)
 
 
 class DDTreeRunnerMixin:
@@ -146,6 +150,8 @@ class DDTreeRunnerMixin:
             self._ddtree_attn.commit_kv((plan.src_rows, plan.dst_rows), row_space="batch")
         self._ddtree_attn.release()
         self._ddtree_plan = plan
+        self.ddtree_num_tree_verifies += len(self._ddtree_attn.requests)
+        self.ddtree_num_branch_paths += plan.moved().view(num_reqs, -1).any(dim=1).sum()
         return SamplerOutput(
             sampled_token_ids=out.committed_tokens.to(torch.int32),
             logprobs_tensors=None,

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ddtree inside vLLM 0.32 on CPU: lossless greedy generation, non-vacuous trees.
+
+Tiny models are written at test time (vllm_ddtree.tiny_models). The engine runs
+in-process (tests/conftest.py). Three drafter regimes:
+
+* random drafter: almost nothing is accepted; output must still be identical;
+* oracle pair: the target repeats its last token and the drafter predicts it,
+  every draft is accepted (mean acceptance length L + 1);
+* scripted siblings: a random target, and draft logits that put the target's true
+  continuation at rank 1 (never rank 0) at every depth. A chain verifier accepts
+  nothing; the tree accepts full depth through sibling nodes, so the accepted
+  K/V must be moved (a wrong commit changes the random target's output).
+"""
+
+import random
+
+import pytest
+import torch
+
+from vllm_ddtree import tiny_models
+from vllm_ddtree.vllm_adapter import runner as runner_module
+from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
+
+vllm = pytest.importorskip("vllm")
+
+BLOCK_SIZE = 5  # drafter block: L = 4 drafted positions
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, vllm_patched):
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for kind in ("random", "oracle"):
+        target = tiny_models.make_target(root / f"{kind}_target", kind=kind, seed=1)
+        drafter = tiny_models.make_dflash_drafter(
+            root / f"{kind}_drafter", target, kind=kind, block_size=BLOCK_SIZE, seed=2
+        )
+        out[kind] = (str(target), str(drafter))
+    return out
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(250) for _ in range(rng.randrange(2, 40))] for _ in range(n)]
+
+
+def generate(target, prompt_ids, speculative_config=None, **kw):
+    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
+                   disable_log_stats=False, speculative_config=speculative_config,
+                   seed=0, **kw)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                        use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    runner = None
+    if speculative_config is not None:
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+    stats = {
+        "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
+        "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+        "branch_paths": int(runner.ddtree_num_branch_paths) if runner is not None else 0,
+    }
+    del llm
+    return tokens, stats
+
+
+def ddtree(drafter, budget):
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Plain greedy outputs (no speculation) of both targets."""
+    p = prompts(8)
+    return p, {kind: generate(models[kind][0], p)[0] for kind in models}
+
+
+@pytest.mark.parametrize("budget,batch", [(1, 8), (4, 1), (16, 8), (64, 8)])
+def test_random_drafter_is_lossless(models, reference, budget, batch):
+    p, ref = reference
+    out, stats = generate(models["random"][0], p[:batch], ddtree(models["random"][1], budget))
+    assert out == ref["random"][:batch]
+    assert stats["drafts"] > 0
+
+
+def test_oracle_pair_accepts_everything(models, reference):
+    p, ref = reference
+    out, stats = generate(models["oracle"][0], p, ddtree(models["oracle"][1], 16))
+    assert out == ref["oracle"]
+    mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
+    assert mean_acceptance >= 0.9 * BLOCK_SIZE, stats
+
+
+def test_siblings_are_accepted_and_committed(models, reference, monkeypatch):
+    """True continuation at rank 1 of every depth: only a tree can accept it."""
+    p, ref = reference
+    target, drafter = models["random"]
+    full = {tuple(q): q + r for q, r in zip(p, ref["random"])}
+    orig_propose = DDTreeProposer.propose
+
+    def scripted_propose(self, num_speculative_tokens, **kw):
+        cad = kw["common_attn_metadata"]
+        rejected = kw.get("num_rejected_tokens_gpu")
+        committed = cad.seq_lens[: cad.num_reqs].clone()
+        if rejected is not None:
+            committed -= rejected[: cad.num_reqs]
+        runner = self.scripted_runner
+        req_ids = runner.input_batch.req_ids[: cad.num_reqs]
+
+        def scripted(hidden_states, sampling_metadata):
+            logits = self.model.compute_logits(hidden_states)
+            vocab = logits.shape[-1]
+            script = torch.zeros(cad.num_reqs, self.draft_len, vocab)
+            for b, req_id in enumerate(req_ids):
+                seq = full[tuple(runner.requests[req_id].prompt_token_ids)]
+                start = int(committed[b]) + 1  # the bonus sits at index committed
+                for j in range(self.draft_len):
+                    if start + j < len(seq):
+                        truth = seq[start + j]
+                        script[b, j, truth] = 8.0
+                        script[b, j, (truth + 1) % 250] = 8.2  # a wrong rank 0
+            self._draft_logits = script.view(-1, vocab).to(logits)
+            return self._draft_logits.argmax(dim=-1), None
+
+        self._sample_draft_tokens = scripted
+        try:
+            return orig_propose(self, num_speculative_tokens, **kw)
+        finally:
+            del self._sample_draft_tokens
+
+    monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
+    orig_enable = runner_module.enable_ddtree
+
+    def enable_and_remember(runner, cfg):  # the script reads the runner's requests
+        orig_enable(runner, cfg)
+        runner.drafter.scripted_runner = runner
+
+    monkeypatch.setattr(runner_module, "enable_ddtree", enable_and_remember)
+    # B = 30 holds the whole binary tree of depth 4 (2 + 4 + 8 + 16 nodes).
+    out, stats = generate(target, p, ddtree(drafter, 30))
+    assert out == ref["random"]
+    assert stats["branch_paths"] > 0, stats
+    mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
+    assert mean_acceptance >= 0.8 * BLOCK_SIZE, stats
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"ddtree_bogus": 1}, "unknown ddtree key"),
+        ({"num_speculative_tokens": 0}, "must be an integer >= 1"),
+        ({"ddtree_verify": "leviathan"}, "ddtree_verify"),
+        ({"ddtree_threshold_acc": 0.0}, "ddtree_threshold_acc"),
+        ({"model": None}, "needs \"model\""),
+    ],
+)
+def test_bad_config_fails_at_startup(models, extra, match):
+    spec = ddtree(models["random"][1], 8)
+    spec.update(extra)
+    if spec.get("model") is None:
+        spec.pop("model")
+    with pytest.raises(ValueError, match=match):
+        vllm.LLM(model=models["random"][0], dtype="float32", enforce_eager=True,
+                 max_model_len=512, speculative_config=spec)
