@@ -193,6 +193,22 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
     return pi.to(device), pr.to(device)
 
 
+def _top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest scores per row, best first, ties to the lower index.
+
+    One top-k over distinct int64 keys (order-preserving float32 bits, then the
+    reversed index) instead of a stable sort of the whole row: same order, a
+    fraction of the work.
+    """
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 ranks as +0.0
+    # Negative floats: flip the magnitude bits so the int32 order is the float order.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    width = scores.shape[1]
+    index = torch.arange(width, device=scores.device)
+    keys = (ordered << 32) | (width - 1 - index)
+    return keys.topk(count, dim=1, largest=True, sorted=True).indices
+
+
 def build_ddtree(
     draft_logits: torch.Tensor,
     budget: int | torch.Tensor,
@@ -247,19 +263,19 @@ def build_ddtree(
     for d in range(1, depth_limit):
         # [R, C] candidate scores; an invalid parent (-inf) stays -inf.
         cand = level_scores[-1][:, pair_parent] + log_probs[:, d, pair_rank]
-        # Stable: ties keep the (parent position, rank) order of the pair list.
-        cand_sorted, order = torch.sort(cand, dim=1, descending=True, stable=True)
-        level_scores.append(cand_sorted[:, :cap])
-        level_parent_pos.append(pair_parent[order[:, :cap]])
-        level_rank.append(pair_rank[order[:, :cap]])
+        # Ties keep the (parent position, rank) order of the pair list.
+        order = _top_in_order(cand, cap)
+        level_scores.append(cand.gather(1, order))
+        level_parent_pos.append(pair_parent[order])
+        level_rank.append(pair_rank[order])
 
-    # One top-`cap` over all depths; stable sort breaks ties by (depth, position).
+    # One top-`cap` over all depths; ties broken by (depth, position).
     all_scores = torch.stack(level_scores, dim=1)  # [R, L, cap]
     all_parent_pos = torch.stack(level_parent_pos, dim=1)
     all_rank = torch.stack(level_rank, dim=1)
     flat_scores = all_scores.reshape(num_reqs, depth_limit * cap)
-    sel_scores, sel = torch.sort(flat_scores, dim=1, descending=True, stable=True)
-    sel_scores, sel = sel_scores[:, :cap], sel[:, :cap]  # [R, cap]
+    sel = _top_in_order(flat_scores, cap)  # [R, cap]
+    sel_scores = flat_scores.gather(1, sel)
 
     node_slot = torch.arange(cap, device=device).unsqueeze(0)
     valid = sel_scores > float("-inf")
@@ -377,17 +393,13 @@ def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
     """[..., rows, rows] bool -> [..., rows, ceil(rows / 32)] int32 little-endian bits."""
     rows = visibility.shape[-1]
     words = (rows + 31) // 32
-    pad = words * 32 - rows
-    bits = torch.nn.functional.pad(visibility, (0, pad)).to(torch.int64)
-    bits = bits.reshape(*visibility.shape[:-1], words, 32)
-    weights = torch.bitwise_left_shift(
-        torch.ones(32, dtype=torch.int64, device=visibility.device),
-        torch.arange(32, device=visibility.device),
-    )
-    packed = (bits * weights).sum(dim=-1)
-    # Two's-complement wrap of bit 31 before narrowing to int32.
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
+    bits = torch.nn.functional.pad(visibility, (0, words * 32 - rows)).to(torch.uint8)
+    bits = bits.reshape(*visibility.shape[:-1], words * 4, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8,
+                           device=visibility.device)
+    packed_bytes = (bits * weights).sum(dim=-1, dtype=torch.uint8)
+    # Four little-endian bytes are one int32 word (bit j % 32 of word j // 32).
+    return packed_bytes.view(torch.int32)
 
 
 def tree_from_parents(
