@@ -144,7 +144,10 @@ def setup(tmp_path_factory):
     from vllm_ddtree import tiny_models
 
     root = tmp_path_factory.mktemp("server")
-    target, drafter = tiny_models.make_pair(root, kind="random", seed=1,
+    # A mostly-repeating target and a drafter that predicts repetition: most drafts
+    # are accepted, some rejected, so the acceptance counters move robustly.
+    target, drafter = tiny_models.make_pair(root, kind="oracle", seed=1,
+                                            target_oracle_noise=8.0,
                                             drafter_block_size=BLOCK_SIZE)
     port = free_port()
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
@@ -265,7 +268,6 @@ def test_spec_decode_metrics(setup):
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         key = f"vllm:spec_decode_{name}_total"
         assert key in after, sorted(after)
-        # The tiny random pair accepts a few drafts (deterministic: ~2 % at depth 1).
         assert after[key] > before.get(key, 0.0), (key, before, after)
     drafts = after["vllm:spec_decode_num_drafts_total"]
     assert after["vllm:spec_decode_num_draft_tokens_total"] == drafts * BUDGET
