@@ -52,6 +52,7 @@ def install() -> None:
     from vllm_ddtree.vllm_adapter.cpu_attention import register_tree_attention_backend
 
     register_tree_attention_backend()
+    _wrap_request_validation()
     _installed = True
 
 
@@ -174,3 +175,16 @@ def _wrap_runner_init(orig):
             enable_ddtree(self, ddtree)
 
     return __init__
+
+
+def _wrap_request_validation() -> None:
+    """P5 ``InputProcessor.process_inputs`` (frontend): with ddtree on, refuse per
+    request the sampling parameters ddtree cannot honour (a ValueError for that
+    request only) and let through min_p / logit_bias, which vLLM refuses under
+    speculative decoding but the ddtree runner applies
+    (:mod:`vllm_ddtree.vllm_adapter.requests`)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_ddtree.vllm_adapter.requests import wrap_process_inputs
+
+    InputProcessor.process_inputs = wrap_process_inputs(InputProcessor.process_inputs)

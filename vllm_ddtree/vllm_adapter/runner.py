@@ -121,12 +121,40 @@ class DDTreeRunnerMixin:
             return super()._model_forward(*args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
+        if logits is None:
+            return super()._sample(logits, spec_decode_metadata)
+        num_reqs = self.input_batch.num_reqs
+        extras = _scan_requests(self, num_reqs)
+        # Seeded requests draw their coins from (seed, output position), never from
+        # vLLM's per-request torch generators (see _seeded_coins). Drop those, so
+        # that _bookkeeping_sync's generator rewind for discarded rows (partial
+        # prefill chunks) has nothing to rewind: it would raise on CPU generators
+        # ("CPU Generator does not use offset") and move unused ones on GPU.
+        if self.input_batch.generators:
+            self.input_batch.generators.clear()
         step = self._ddtree_step
         if step is None or spec_decode_metadata is None:
-            return super()._sample(logits, spec_decode_metadata)
-        tree = step.tree
-        num_reqs = tree.num_reqs
+            # No drafts in this step: one row per request. vLLM's sampler is right
+            # unless a request needs what it skips under speculative decoding
+            # (min_p, logit_bias) or is seeded (our coins keep a seeded request's
+            # output independent of its batch and of the step kind).
+            if not extras.needs_own_sampler:
+                return super()._sample(logits, spec_decode_metadata)
+            device = logits.device
+            tree = _root_only_tree(num_reqs, device)
+            rows = torch.arange(num_reqs, device=device).unsqueeze(1)
+            target_logits = logits[:num_reqs].unsqueeze(1)
+            if extras.has_constraints(self.input_batch.sampling_metadata):
+                target_logits = target_logits.clone()  # keep raw logits for logprobs
+            out, logprobs = _verify_batch(self, tree, target_logits, rows, logits, extras,
+                                          width=1)
+            return SamplerOutput(
+                sampled_token_ids=out.committed_tokens[:, :1].to(torch.int32),
+                logprobs_tensors=logprobs,
+            )
+
         device = logits.device
+        tree = step.tree.to(device)
         # logits: per request its n_r + 1 verify rows, request-major.
         counts = torch.tensor(step.num_drafts, device=device) + 1
         first = torch.cumsum(counts, 0) - counts
@@ -134,16 +162,7 @@ class DDTreeRunnerMixin:
         index = first.unsqueeze(1) + torch.minimum(offsets, (counts - 1).unsqueeze(1))
         target_logits = logits[index.reshape(-1)].view(num_reqs, tree.num_rows, -1)
 
-        out = verify_tree(
-            tree.to(device),
-            target_logits,
-            _sampling_params(self.input_batch.sampling_metadata, num_reqs, device),
-            method=self._ddtree.verify,
-            threshold_single=self._ddtree.threshold_single,
-            threshold_acc=self._ddtree.threshold_acc,
-            backend=self._ddtree.kernel_backend,
-            validate=False,
-        )
+        out, logprobs = _verify_batch(self, tree, target_logits, index, logits, extras)
         total = int(self._ddtree_linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
         if self._ddtree_attn.requests:
@@ -154,7 +173,7 @@ class DDTreeRunnerMixin:
         self.ddtree_num_branch_paths += plan.moved().view(num_reqs, -1).any(dim=1).sum()
         return SamplerOutput(
             sampled_token_ids=out.committed_tokens.to(torch.int32),
-            logprobs_tensors=None,
+            logprobs_tensors=logprobs,
         )
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
@@ -191,8 +210,11 @@ def _permute_rows(hidden: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _sampling_params(metadata, num_reqs: int, device) -> TreeSamplingParams:
-    """vLLM SamplingMetadata -> TreeSamplingParams (min-p is off under spec decode)."""
+def _sampling_params(metadata, num_reqs: int, device,
+                     min_p: list[float] | None = None) -> TreeSamplingParams:
+    """vLLM SamplingMetadata (+ the per-request min_p, which vLLM leaves out of it
+    under speculative decoding) -> TreeSamplingParams. Seeded coins are passed to
+    verify_tree separately, so no generators."""
     if metadata.all_greedy or metadata.temperature is None:
         return TreeSamplingParams.greedy(num_reqs, device)
     top_k = metadata.top_k
@@ -200,6 +222,281 @@ def _sampling_params(metadata, num_reqs: int, device) -> TreeSamplingParams:
         temperature=metadata.temperature[:num_reqs].float(),
         top_k=None if top_k is None else top_k[:num_reqs].to(torch.int64),
         top_p=None if metadata.top_p is None else metadata.top_p[:num_reqs].float(),
-        min_p=None,
-        generators=dict(metadata.generators),
+        min_p=None if min_p is None else torch.tensor(min_p, dtype=torch.float32,
+                                                      device=device),
     )
+
+
+# --------------------------------------------------------------------------- #
+# Per-request sampling features (min_p, logit_bias, allowed_token_ids,
+# min_tokens, seeds, logprobs) in tree verification
+# --------------------------------------------------------------------------- #
+
+# vLLM's _SAMPLING_EPS.
+_GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+_warned: set[str] = set()
+
+
+class _BatchExtras:
+    """What a step needs from the requests' own SamplingParams (batch row order)."""
+
+    __slots__ = ("seeded_rows", "seeds", "seeded_out_lens", "min_p", "logit_bias")
+
+    def __init__(self) -> None:
+        self.seeded_rows: list[int] = []  # random (T > 0) requests with a seed
+        self.seeds: list[int] = []
+        self.seeded_out_lens: list[int] = []  # output tokens committed before this step
+        self.min_p: list[float] | None = None  # [R] when a random request has min_p > 0
+        self.logit_bias: list[tuple[int, dict[int, float]]] = []
+
+    @property
+    def needs_own_sampler(self) -> bool:
+        return bool(self.seeded_rows or self.min_p is not None or self.logit_bias)
+
+    def has_constraints(self, metadata) -> bool:
+        """Whether the target logits get edited (bias, allowed ids, min_tokens)."""
+        return bool(self.logit_bias or metadata.allowed_token_ids_mask is not None
+                    or _min_tokens_state(metadata))
+
+
+def _scan_requests(runner, num_reqs: int) -> _BatchExtras:
+    """One pass over the batch's SamplingParams (a few attribute reads each)."""
+    extras = _BatchExtras()
+    requests = runner.requests
+    for b, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
+        state = requests.get(req_id)
+        sp = None if state is None else state.sampling_params
+        if sp is None:
+            continue
+        if sp.logit_bias:
+            extras.logit_bias.append((b, sp.logit_bias))
+        if sp.temperature < _GREEDY_EPS:
+            continue
+        if sp.seed is not None:
+            extras.seeded_rows.append(b)
+            extras.seeds.append(sp.seed)
+            extras.seeded_out_lens.append(len(state.output_token_ids))
+        if sp.min_p > 0.0:
+            if extras.min_p is None:
+                extras.min_p = [0.0] * num_reqs
+            extras.min_p[b] = float(sp.min_p)
+    return extras
+
+
+def _min_tokens_state(metadata) -> dict:
+    """vLLM's MinTokensLogitsProcessor state (it exists under speculative decoding):
+    row -> (min_tokens, live output token list, stop token ids, structured)."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    logitsprocs = getattr(metadata, "logitsprocs", None)
+    for proc in getattr(logitsprocs, "non_argmax_invariant", ()):
+        if isinstance(proc, MinTokensLogitsProcessor):
+            return proc.min_toks
+    return {}
+
+
+def _warn_unsupported(metadata) -> None:
+    """Refused features that reached the worker anyway (request-time validation
+    bypassed, e.g. a pre-built EngineCoreRequest): say so once, loudly."""
+    found = []
+    if not metadata.no_penalties:
+        found.append("presence/frequency/repetition penalties")
+    if metadata.bad_words_token_ids:
+        found.append("bad_words")
+    holder = getattr(metadata, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        found.append("thinking_token_budget")
+    if getattr(metadata, "logprob_token_ids", None):
+        found.append("logprob_token_ids")
+    for name in found:
+        if name not in _warned:
+            _warned.add(name)
+            from vllm.logger import init_logger
+
+            init_logger(__name__).error(
+                "ddtree does not apply %s, but a request using it reached the worker "
+                "(request-time validation was bypassed); its output ignores them", name)
+
+
+def _apply_constraints(target: torch.Tensor, depths: torch.Tensor, metadata,
+                       extras: _BatchExtras) -> None:
+    """In place on target [R, rows, V]: the logit edits vLLM's sampler makes before
+    temperature, per tree node. logit_bias and allowed_token_ids act on every node;
+    min_tokens masks the stop tokens at the nodes of depth d with
+    ``len(output) + d < min_tokens`` (node d predicts output token len(output) + d),
+    unless that would leave a node with no token at all (then the stop tokens are
+    kept there, as vLLM does for structured output)."""
+    num_reqs, _, vocab = target.shape
+    device = target.device
+    for b, bias in extras.logit_bias:
+        ids = torch.tensor([int(t) for t in bias], dtype=torch.int64, device=device)
+        vals = torch.tensor(list(bias.values()), dtype=target.dtype, device=device)
+        target[b, :, ids] += vals
+    mask = metadata.allowed_token_ids_mask
+    if mask is not None:
+        target.masked_fill_(mask[:num_reqs, :vocab].unsqueeze(1), float("-inf"))
+    for b, (min_tokens, output, stops, _) in _min_tokens_state(metadata).items():
+        remaining = min_tokens - len(output)
+        if b >= num_reqs or remaining <= 0 or not stops:
+            continue
+        ids = torch.tensor(sorted(t for t in stops if 0 <= t < vocab), dtype=torch.int64,
+                           device=device)
+        kept = target[b][:, ids]  # [rows, S] (a copy)
+        masked = torch.where((depths[b] < remaining).unsqueeze(1), float("-inf"), kept)
+        target[b, :, ids] = masked
+        dead = torch.isneginf(target[b]).all(dim=-1, keepdim=True)
+        target[b, :, ids] = torch.where(dead, kept, masked)
+
+
+def _verify_batch(runner, tree, target_logits: torch.Tensor, flat_rows: torch.Tensor,
+                  logits: torch.Tensor, extras: _BatchExtras, width: int | None = None):
+    """verify_tree with every request's own parameters -> (output, LogprobsTensors).
+
+    ``target_logits`` [R, rows, V] may be edited in place; ``flat_rows`` [R, rows]
+    maps tree rows to rows of the untouched ``logits`` (raw logprobs). ``width``:
+    committed columns the caller returns (logprobs rows per request)."""
+    metadata = runner.input_batch.sampling_metadata
+    num_reqs = tree.num_reqs
+    device = target_logits.device
+    _warn_unsupported(metadata)
+    if extras.has_constraints(metadata):
+        _apply_constraints(target_logits, tree.depths, metadata, extras)
+    params = _sampling_params(metadata, num_reqs, device, extras.min_p)
+    ddtree = runner._ddtree
+    method = ddtree.verify
+    coins = None
+    if extras.seeded_rows:
+        coins = _seeded_coins(extras, tree, device)
+        # With exact thresholds both rules accept a child with the children's
+        # total target mass and emit the target's law; sample_walk's coin ->
+        # token map does not depend on the tree, so a seeded request's output
+        # is a function of (seed, prompt, target) only (_seeded_coins).
+        if ddtree.threshold_single >= 1.0 and ddtree.threshold_acc >= 1.0:
+            method = "sample_walk"
+    out = verify_tree(
+        tree,
+        target_logits,
+        params,
+        method=method,
+        coins=coins,
+        threshold_single=ddtree.threshold_single,
+        threshold_acc=ddtree.threshold_acc,
+        backend=ddtree.kernel_backend,
+        validate=False,
+    )
+    logprobs = _logprobs_tensors(runner, metadata, logits, flat_rows, target_logits,
+                                 out, params, width)
+    return out, logprobs
+
+
+_ROOT_TREES: dict[tuple[int, str], object] = {}
+
+
+def _root_only_tree(num_reqs: int, device):
+    """A batch of trees without drafts (the bonus row only), cached per shape."""
+    from vllm_ddtree.tree import tree_from_parents
+
+    key = (num_reqs, str(device))
+    tree = _ROOT_TREES.get(key)
+    if tree is None:
+        if len(_ROOT_TREES) > 64:
+            _ROOT_TREES.clear()
+        tree = tree_from_parents([[-1]] * num_reqs, [[0]] * num_reqs, max_depth=1,
+                                 device=device)
+        _ROOT_TREES[key] = tree
+    return tree
+
+
+def _splitmix64(x):
+    """SplitMix64's output function on a numpy uint64 array (wrapping arithmetic)."""
+    import numpy as np
+
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def counter_uniforms(seeds, counters):
+    """Uniforms in [0, 1) (float32, 24 random bits) that are a pure function of
+    ``(seed, counter)``: element ``[s, c]`` is draw number ``counters[s, c]`` of
+    the SplitMix64 stream keyed by ``splitmix64(seeds[s])``.
+
+    Args:
+        seeds: S Python ints (any sign or size; taken mod 2**64).
+        counters: [S, C] non-negative integers.
+
+    Returns:
+        [S, C] numpy float32.
+    """
+    import numpy as np
+
+    keys = _splitmix64(np.array([int(s) & _MASK64 for s in seeds], dtype=np.uint64))
+    counters = np.asarray(counters, dtype=np.uint64)
+    z = _splitmix64(keys[:, None] + counters * np.uint64(0x9E3779B97F4A7C15))
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def _seeded_coins(extras: _BatchExtras, tree, device):
+    """(node_coins [R, rows], final_coins [R]): torch.rand for unseeded requests;
+    for a seeded request the coin of a node at depth d is the draw
+    ``(seed, 2 * (n + d))`` and its final (residual) coin ``(seed, 2 * n + 1)``,
+    with n its output tokens before this step.
+
+    A walk visits one node per depth and a step emits the tokens of output
+    positions n .. n + k, so every coin is used at most once over a request's life
+    (coins past the stopping depth are unused and serve the next step): exact
+    sampling. With ``sample_walk`` (what _verify_batch uses for batches with seeded
+    requests) the token at output position p is the target's inverse CDF at coin
+    (seed, 2p) whatever the tree, drafter, budget, batch or step kind, so a seeded
+    request's output depends on (seed, prompt, target, parameters) only. Nothing is
+    drawn from a stateful generator, so discarded rows (partial prefill chunks)
+    consume nothing."""
+    import numpy as np
+
+    num_reqs, rows = tree.num_reqs, tree.num_rows
+    width = tree.max_depth + 1
+    out_lens = np.array(extras.seeded_out_lens, dtype=np.int64)[:, None]
+    counters = np.concatenate(
+        [2 * (out_lens + np.arange(width)[None, :]), 2 * out_lens + 1], axis=1)
+    seeded = torch.from_numpy(counter_uniforms(extras.seeds, counters)).to(device)
+    coins = torch.rand(num_reqs, rows + 1, device=device)
+    node_coins = coins[:, :rows].contiguous()
+    final_coins = coins[:, rows].contiguous()
+    idx = torch.tensor(extras.seeded_rows, dtype=torch.int64, device=device)
+    depths = tree.depths[idx].clamp(max=width - 1)
+    node_coins[idx] = seeded[:, :width].gather(1, depths)
+    final_coins[idx] = seeded[:, width]
+    return node_coins, final_coins
+
+
+def _logprobs_tensors(runner, metadata, logits, flat_rows, target_logits, out, params,
+                      width: int | None = None):
+    """LogprobsTensors of the committed tokens, [R * W] rows (W = committed width,
+    -1 placeholders included and filtered by vLLM's parse_output), like vLLM's
+    rejection sampler: row j of request b is the target at the accepted node of
+    depth j. Raw modes read the untouched logits, processed modes the edited ones
+    after temperature, min-p, top-k and top-p."""
+    num_logprobs = metadata.max_num_logprobs
+    if num_logprobs is None:
+        return None
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_ddtree.sampling import apply_sampling_params
+
+    committed = out.committed_tokens[:, :width]
+    num_reqs, width = committed.shape
+    nodes = out.accepted_indices[:, :width].clamp(min=0)
+    tokens = committed.clamp(min=0).reshape(-1).to(torch.int64)
+    mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
+    if mode in ("raw_logprobs", "raw_logits"):
+        rows = logits[flat_rows.gather(1, nodes).reshape(-1)].float()
+        logprobs = rows.log_softmax(dim=-1) if mode == "raw_logprobs" else rows
+    else:
+        req = torch.arange(num_reqs, device=nodes.device).unsqueeze(1).expand(-1, width)
+        req = req.reshape(-1)
+        rows = target_logits[req, nodes.reshape(-1)].float()
+        rows = apply_sampling_params(rows, params.select(req))
+        logprobs = rows.log_softmax(dim=-1) if mode == "processed_logprobs" else rows
+    return Sampler.gather_logprobs(logprobs, num_logprobs, tokens)

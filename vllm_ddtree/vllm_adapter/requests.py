@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Request-time checks of ``SamplingParams`` when ddtree is on (frontend process).
+
+ddtree verifies a *tree* of drafts: every node's target distribution is the one a
+non-speculative sampler would use after the path root..node. Parameters that only
+need the node's depth or nothing at all are honoured by the runner
+(:mod:`vllm_ddtree.vllm_adapter.runner`):
+
+* temperature, top_k, top_p, min_p, seed, n;
+* min_tokens (stop tokens are masked at the nodes whose depth is still below it);
+* logit_bias, allowed_token_ids (the same vocabulary edit on every node);
+* logprobs (of the emitted tokens, any ``logprobs_mode``), prompt_logprobs;
+* stop, stop_token_ids, ignore_eos, max_tokens (applied by the scheduler to the
+  committed tokens, as without speculation).
+
+Parameters whose effect depends on the token history along a path (penalties,
+bad_words, structured output, the thinking budget) would need one history per
+tree node; vLLM's chain sampler assumes a chain. They are refused here, per
+request, with :class:`DDTreeUnsupportedParameterError`: ``LLM.generate`` raises
+it, the OpenAI server answers HTTP 400, and the engine keeps serving.
+
+vLLM 0.32 itself refuses ``min_p`` and ``logit_bias`` under speculative decoding
+(``SamplingParams._validate_spec_decode``) and builds no min-p / logit-bias logits
+processor then. With ddtree on, :func:`wrap_process_inputs` lets them through
+(after its own checks) because the ddtree runner applies them.
+
+Hooked in as ``InputProcessor.process_inputs`` (both ``LLM`` and ``AsyncLLM`` add
+every request through it), acting only when ``get_ddtree_config(vllm_config)`` is
+set.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+from vllm_ddtree.vllm_adapter.config import get_ddtree_config
+
+__all__ = [
+    "DDTreeUnsupportedParameterError",
+    "check_sampling_params",
+    "wrap_process_inputs",
+]
+
+# vLLM's _SAMPLING_EPS: temperatures below it are greedy, min_p below it is off.
+_EPS = 1e-5
+
+
+class DDTreeUnsupportedParameterError(VLLMValidationError, ValueError):
+    """A request asks for a sampling feature ddtree does not support.
+
+    A ``ValueError`` (what ``LLM.generate`` callers catch) and a vLLM
+    ``VLLMValidationError`` (the OpenAI server maps it to HTTP 400 and reports
+    ``parameter``).
+    """
+
+
+def _refuse(parameter: str, value: Any, why: str) -> None:
+    raise DDTreeUnsupportedParameterError(
+        f"speculative method 'ddtree' does not support the sampling parameter "
+        f"{parameter}={value!r}: {why}. Drop {parameter} from the request, or serve "
+        "it without ddtree.",
+        parameter=parameter,
+        value=value,
+    )
+
+
+_HISTORY = "its effect depends on the tokens generated so far, and ddtree verifies a tree of draft paths"
+
+
+def check_sampling_params(params, vocab_size: int | None = None) -> None:
+    """Raises :class:`DDTreeUnsupportedParameterError` naming the first refused
+    parameter of ``params`` (a vLLM ``SamplingParams``); validates what ddtree
+    takes over from vLLM's spec-decode check (logit_bias token ids)."""
+    if params.presence_penalty != 0.0:
+        _refuse("presence_penalty", params.presence_penalty, _HISTORY)
+    if params.frequency_penalty != 0.0:
+        _refuse("frequency_penalty", params.frequency_penalty, _HISTORY)
+    if params.repetition_penalty != 1.0:
+        _refuse("repetition_penalty", params.repetition_penalty, _HISTORY)
+    if params.bad_words:
+        _refuse("bad_words", params.bad_words, _HISTORY)
+    if params.structured_outputs is not None:
+        _refuse("structured_outputs", _set_fields(params.structured_outputs),
+                "guided decoding (json, regex, choice, grammar, response_format) needs "
+                "the grammar state of every draft path")
+    if getattr(params, "thinking_token_budget", None) is not None:
+        _refuse("thinking_token_budget", params.thinking_token_budget, _HISTORY)
+    if getattr(params, "logprob_token_ids", None) is not None:
+        _refuse("logprob_token_ids", params.logprob_token_ids,
+                "only logprobs=<k> is implemented for tree verification")
+    if getattr(params, "prompt_logprob_token_ids", None) is not None:
+        _refuse("prompt_logprob_token_ids", "<array>",
+                "it needs vLLM's V2 model runner, and ddtree runs on V1")
+    if params.logit_bias and vocab_size is not None:
+        bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise DDTreeUnsupportedParameterError(
+                f"token_id(s) {bad} in logit_bias are outside the vocabulary "
+                f"[0, {vocab_size})",
+                parameter="logit_bias",
+                value=bad,
+            )
+
+
+def _set_fields(obj) -> str:
+    """``StructuredOutputsParams(json_object=True)``: the fields that are set."""
+    fields = getattr(obj, "__dataclass_fields__", None) or {}
+    shown = [f"{name}={getattr(obj, name)!r}" for name in fields
+             if not name.startswith("_") and getattr(obj, name, None) not in (None, False)]
+    text = f"{type(obj).__name__}({', '.join(shown)})"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def wrap_process_inputs(orig):
+    """``InputProcessor.process_inputs`` with the ddtree request checks."""
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def process_inputs(self, *args, **kwargs):
+        if get_ddtree_config(self.vllm_config) is None:
+            return orig(self, *args, **kwargs)
+        from vllm.sampling_params import SamplingParams
+
+        bound = signature.bind(self, *args, **kwargs)
+        params = bound.arguments.get("params")
+        if not isinstance(params, SamplingParams):
+            return orig(self, *args, **kwargs)
+        check_sampling_params(params, self.model_config.get_vocab_size())
+        # vLLM refuses min_p and logit_bias under any speculative decoding; hide
+        # them from its check (on a private copy) and put them back on the
+        # request's own params, which the worker reads.
+        kept = {}
+        if params.min_p > _EPS:
+            kept["min_p"] = params.min_p
+        if params.logit_bias:
+            kept["logit_bias"] = dict(params.logit_bias)
+        if not kept:
+            return orig(*bound.args, **bound.kwargs)
+        stripped = params.clone()
+        stripped.min_p = 0.0
+        stripped.logit_bias = None
+        bound.arguments["params"] = stripped
+        request = orig(*bound.args, **bound.kwargs)
+        for name, value in kept.items():
+            setattr(request.params, name, value)
+        return request
+
+    return process_inputs
