@@ -290,9 +290,11 @@ class QuietGate:
 
     def probe_ms(self) -> float:
         t0 = time.perf_counter()
-        for _ in range(100):
+        for n in range(1, 101):
             torch.isfinite(self._y).all()
-        return (time.perf_counter() - t0) * 1e3 / 100
+            if time.perf_counter() - t0 > 0.05:  # stalled: no need to finish
+                break
+        return (time.perf_counter() - t0) * 1e3 / n
 
     def wait(self) -> dict:
         if self.budget_s <= 0:
@@ -517,9 +519,12 @@ def verify_configs(num_reqs: int, with_filters: bool) -> list[tuple[str, str, ob
 
 def bench_verify_size(base: torch.Tensor, tree: DraftTree, top_ids: torch.Tensor,
                       repeats: int, agree_prob: float, boost: float, with_filters: bool,
-                      gen: torch.Generator, gate: QuietGate = NO_GATE) -> list[dict]:
+                      gen: torch.Generator, thread_list: list[int],
+                      gate: QuietGate = NO_GATE) -> list[dict]:
+    """Every variant at every thread count, interleaved (rotating order) per repeat."""
     num_reqs, rows = tree.num_reqs, tree.num_rows
     vocab = base.shape[-1]
+    primary = thread_list[0]
     target = base[:num_reqs, :rows]  # a view: [R, B + 1, V], row stride max(B) + 1
     r_idx, i_idx, tok = boost_plan(tree, top_ids, vocab, agree_prob, gen)
     old = target[r_idx, i_idx, tok].clone()
@@ -527,40 +532,49 @@ def bench_verify_size(base: torch.Tensor, tree: DraftTree, top_ids: torch.Tensor
     try:
         coins = draw_coins(num_reqs, rows, "cpu")
         configs = verify_configs(num_reqs, with_filters)
-        results = {label: {"ms": []} for label, _, _ in configs}
-        for label, method, params in configs:  # warm-up + acceptance (deterministic)
-            out = verify_tree(tree, target, params, method=method, coins=coins,
-                              backend="torch", validate=False)
-            results[label]["mean_accepted"] = float(out.num_accepted.float().mean())
-            results[label]["accepted_hist"] = torch.bincount(
-                out.num_accepted, minlength=tree.max_depth + 1).tolist()
-        gates = []
+        results = {(label, nt): {"ms": [], "gates": []}
+                   for label, _, _ in configs for nt in thread_list}
+        accepted = {}
+        for nt in thread_list:  # warm-up + acceptance (deterministic given the coins)
+            torch.set_num_threads(nt)
+            for label, method, params in configs:
+                out = verify_tree(tree, target, params, method=method, coins=coins,
+                                  backend="torch", validate=False)
+                accepted[label] = out.num_accepted
         for i in range(repeats):
             shift = i % len(configs)
+            tshift = i % len(thread_list)
             for label, method, params in configs[shift:] + configs[:shift]:
-                results[label].setdefault("gates", []).append(gate.wait())
-                _, ms = timed(lambda: verify_tree(tree, target, params, method=method,
-                                                  coins=coins, backend="torch",
-                                                  validate=False))
-                results[label]["ms"].append(ms)
+                for nt in thread_list[tshift:] + thread_list[:tshift]:
+                    torch.set_num_threads(primary)
+                    results[(label, nt)]["gates"].append(gate.wait())
+                    torch.set_num_threads(nt)
+                    _, ms = timed(lambda: verify_tree(tree, target, params, method=method,
+                                                      coins=coins, backend="torch",
+                                                      validate=False))
+                    results[(label, nt)]["ms"].append(ms)
     finally:
         target[r_idx, i_idx, tok] = old  # restore the shared random tensor
+        torch.set_num_threads(primary)
     rows_out = []
-    for label, method, params in configs:
-        r = results[label]
-        rows_out.append({
-            "loadavg_1min_at_end": loadavg(),
-            "num_reqs": num_reqs,
-            "budget": rows - 1,
-            "variant": label,
-            "method": method,
-            "ms": r["ms"],
-            "median_ms": median(r["ms"]),
-            "min_ms": min(r["ms"]),
-            "quiet_gate": r["gates"],
-            "mean_accepted": r["mean_accepted"],
-            "accepted_hist": r["accepted_hist"],
-        })
+    for nt in thread_list:
+        for label, method, params in configs:
+            r = results[(label, nt)]
+            rows_out.append({
+                "loadavg_1min_at_end": loadavg(),
+                "num_reqs": num_reqs,
+                "budget": rows - 1,
+                "threads": nt,
+                "variant": label,
+                "method": method,
+                "ms": r["ms"],
+                "median_ms": median(r["ms"]),
+                "min_ms": min(r["ms"]),
+                "quiet_gate": r["gates"],
+                "mean_accepted": float(accepted[label].float().mean()),
+                "accepted_hist": torch.bincount(
+                    accepted[label], minlength=tree.max_depth + 1).tolist(),
+            })
     return rows_out
 
 
@@ -686,6 +700,32 @@ def build_table(rows: list[dict], label_col: bool = False) -> list[str]:
     return L
 
 
+def reading_note(data: dict) -> list[str]:
+    """A warning paragraph when the run's multi-thread timings were contended."""
+    threads = data["config"]["threads"]
+    probes = data.get("machine_probes", {})
+    stall = [probes.get(k, {}).get("small_parallel_op_ms_median") for k in ("start", "end")]
+    blocks = [g for r in data.get("build", []) for g in r.get("quiet_gate", [])]
+    blocks += [g for r in data.get("verify", []) if r.get("threads", threads) == threads
+               for g in r.get("quiet_gate", [])]
+    quiet = sum(bool(g["quiet"]) for g in blocks)
+    contended = any(v is not None and v > 1.0 for v in stall) or (
+        blocks and quiet < 0.8 * len(blocks))
+    if threads == 1 or not contended:
+        return []
+    return [
+        "**Reading this run.** Other jobs kept a core busy for much of it: a small "
+        f"{threads}-thread parallel op took {fmt(stall[0], 2)} ms (start) and "
+        f"{fmt(stall[1], 2)} ms (end) in median instead of ~0.05 ms, and only {quiet} of "
+        f"{len(blocks)} timed {threads}-thread blocks started after the quiet probe passed. "
+        f"Every {threads}-thread parallel region then waits for a descheduled worker, so "
+        f"code made of many small torch ops (the vectorized builder, verification) is "
+        f"inflated by up to 100x in the {threads}-thread tables while the Python-loop "
+        "reference barely notices. The 1-thread tables come from the same interleaved "
+        "repeats and are the reliable comparison in this run.\n",
+    ]
+
+
 def write_markdown(path: Path, data: dict) -> None:
     m, c, goals = data["machine"], data["config"], data["goals"]
     threads = m["torch_num_threads"]
@@ -698,9 +738,11 @@ def write_markdown(path: Path, data: dict) -> None:
              f"{fmt(data['machine_probes']['end']['loadavg_1min'])} at the end); torch "
              f"{m['torch_version']} (threads {threads}, interop "
              f"{m['torch_num_interop_threads']}), numpy {m['numpy_version']}, Python "
-             f"{m['python_version']}; {m['date_utc']}; commit {m['git_commit']}"
+             f"{m['python_version']}; started {m['date_utc']}; commit {m['git_commit']}"
              + (f" (uncommitted in vllm_ddtree/: {', '.join(m['vllm_ddtree_uncommitted_changes'])})"
-                if m["vllm_ddtree_uncommitted_changes"] else "") + "\n")
+                if m["vllm_ddtree_uncommitted_changes"] else "")
+             + (" (WARNING: the repository changed during the run)"
+                if m.get("code_changed_during_run") else "") + "\n")
     L.append(f"Shapes: L = {c['depth']}, V = {c['vocab']}; draft logits `{c['dist']}` "
              f"({c['dist_doc']}; top-1 draft probability {c['draft_stats']['top1_prob_mean']:.2f} "
              f"on average, top-4 mass {c['draft_stats']['top4_mass_mean']:.2f}); {c['draft_slicing']}; "
@@ -708,6 +750,7 @@ def write_markdown(path: Path, data: dict) -> None:
              f"compared calls are interleaved within each repeat (their order rotates). "
              f"Total run time {data['total_s']:.0f} s.\n")
 
+    L += reading_note(data)
     L.append(f"## Goals ({threads} threads, as the machine has)\n")
     L += goal_lines(goals["primary"])
     for alt in goals.get("a_robustness", []):
@@ -729,8 +772,8 @@ def write_markdown(path: Path, data: dict) -> None:
              "`build_ddtree(..., top_k=tk, validate=False)`; whole = shared + each (summed "
              "per repeat). Speedups are ratios of medians. reps = vec/ref repeats. depth = "
              "mean node depth / mean max depth of the trees. load = 1-min load average when "
-             "the size started; q = repeats that started on a quiet machine (see Machine "
-             "probes). The 1-thread table below comes from the same repeats: every repeat "
+             "the size started; q = timed blocks (one per repeat) at this thread count that "
+             "started right after the quiet probe passed (see Machine probes). The 1-thread table below comes from the same repeats: every repeat "
              "runs both thread counts back to back (order rotating).\n")
     L += build_table(data["build"])
     L.append("")
@@ -794,46 +837,53 @@ def write_markdown(path: Path, data: dict) -> None:
                  "moment are measured anyway and counted in the q columns.\n")
         L.append("| probe | start | end |")
         L.append("|---|---:|---:|")
-        for key in probes.get("start", {}):
+        for key in probes.get("start", {}):  # noqa: B007
             L.append(f"| {key} | {fmt(probes['start'][key], 2)} | "
                      f"{fmt(probes.get('end', {}).get(key, float('nan')), 2)} |")
         L.append("")
 
     if data.get("verify"):
-        L.append(f"## Verification ({threads} threads)\n")
+        vthreads = []
+        for r in data["verify"]:
+            if r.get("threads", threads) not in vthreads:
+                vthreads.append(r.get("threads", threads))
+        L.append("## Verification\n")
         L.append(f"`verify_tree(tree, target_logits, params, method=..., coins=..., "
                  f"backend=\"torch\", validate=False)` on the trees built above, coins drawn "
-                 f"beforehand with `draw_coins`, {c['verify_repeats']} repeats (variants "
-                 f"interleaved, order rotating). greedy = `params=None`; T=1 = "
+                 f"beforehand with `draw_coins`, {c['verify_repeats']} repeats; variants and "
+                 f"thread counts interleaved (rotating order). greedy = `params=None`; T=1 = "
                  f"`TreeSamplingParams.from_lists([1.0] * R)`; k50 p0.9 adds `top_k=50, "
-                 f"top_p=0.9` (run at B in {c['filter_budgets']} only: each costs about "
-                 f"twice a T=1 call; top_p=0.9 keeps only the favoured token whenever its "
+                 f"top_p=0.9` (run at B in {c['filter_budgets']} only: each costs several "
+                 f"T=1 calls; top_p=0.9 keeps only the favoured token whenever its "
                  f"probability exceeds 0.9, so its acceptance matches greedy). "
                  f"{c['verify_target_doc']}\n")
         variants = []
         for r in data["verify"]:
             if r["variant"] not in variants:
                 variants.append(r["variant"])
-        L.append("median ms / min ms (mean accepted draft tokens per request); q = "
-                 "timed calls of the row that started on a quiet machine:\n")
-        L.append("| num_reqs | B | " + " | ".join(variants) + " | q |")
-        L.append("|---:|---:|" + "---:|" * len(variants) + "---:|")
         sizes = []
         for r in data["verify"]:
             if (r["num_reqs"], r["budget"]) not in sizes:
                 sizes.append((r["num_reqs"], r["budget"]))
-        for s in sizes:
-            cells = []
-            for v in variants:
-                rr = [r for r in data["verify"]
-                      if (r["num_reqs"], r["budget"]) == s and r["variant"] == v]
-                cells.append(f"{fmt(rr[0]['median_ms'])} / {fmt(rr[0]['min_ms'])} "
-                             f"({rr[0]['mean_accepted']:.2f})" if rr else "-")
-            gates = [g for r in data["verify"] if (r["num_reqs"], r["budget"]) == s
-                     for g in r["quiet_gate"]]
-            q = f"{sum(bool(g['quiet']) for g in gates)}/{len(gates)}"
-            L.append(f"| {s[0]} | {s[1]} | " + " | ".join(cells) + f" | {q} |")
-        L.append("")
+        for nt in vthreads:
+            vrows = [r for r in data["verify"] if r.get("threads", threads) == nt]
+            L.append(f"### {nt} thread(s): median ms / min ms (mean accepted draft tokens "
+                     f"per request); q = timed calls of the row that started on a quiet "
+                     f"machine\n")
+            L.append("| num_reqs | B | " + " | ".join(variants) + " | q |")
+            L.append("|---:|---:|" + "---:|" * len(variants) + "---:|")
+            for s_ in sizes:
+                cells = []
+                for v in variants:
+                    rr = [r for r in vrows
+                          if (r["num_reqs"], r["budget"]) == s_ and r["variant"] == v]
+                    cells.append(f"{fmt(rr[0]['median_ms'])} / {fmt(rr[0]['min_ms'])} "
+                                 f"({rr[0]['mean_accepted']:.2f})" if rr else "-")
+                gates = [g for r in vrows if (r["num_reqs"], r["budget"]) == s_
+                         for g in r["quiet_gate"]]
+                q = f"{sum(bool(g['quiet']) for g in gates)}/{len(gates)}"
+                L.append(f"| {s_[0]} | {s_[1]} | " + " | ".join(cells) + f" | {q} |")
+            L.append("")
     if data.get("plot"):
         L.append(f"![build time vs B]({data['plot']})\n")
     L.append("## Reproduce\n")
@@ -1020,6 +1070,9 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/bench_core.py"]
                        + (sys.argv[1:] if argv is None else argv))
     t_start = time.perf_counter()
+    # Code identity at the start: the modules are imported by now, and others may
+    # commit while the run goes on.
+    info_start = machine_info(args, command)
     data: dict = {"machine_probes": {"start": machine_probes()}}
 
     dist_doc = {
@@ -1117,12 +1170,15 @@ def main(argv: list[str] | None = None) -> int:
             for b in budgets:
                 tree, top_ids = trees[(nr, b)]
                 rows = bench_verify_size(base, tree, top_ids, verify_repeats, args.agree_prob,
-                                         args.boost, b in filter_budgets, vgen, gate)
+                                         args.boost, b in filter_budgets, vgen, thread_list,
+                                         gate)
                 data["verify"].extend(rows)
-                print(f"[verify] R={nr:3d} B={b:4d} " + "  ".join(
-                    f"{r['variant']}: {r['median_ms']:.1f}/{r['min_ms']:.1f} ms "
-                    f"({r['mean_accepted']:.2f})"
-                    for r in rows) + f" load={loadavg()}", flush=True)
+                for nt in thread_list:
+                    print(f"[verify {nt}t] R={nr:3d} B={b:4d} " + "  ".join(
+                        f"{r['variant']}: {r['median_ms']:.1f}/{r['min_ms']:.1f} ms "
+                        f"({r['mean_accepted']:.2f})"
+                        for r in rows if r["threads"] == nt) + f" load={loadavg()}",
+                        flush=True)
         del base
 
     goals = compute_goals(data)
@@ -1130,7 +1186,12 @@ def main(argv: list[str] | None = None) -> int:
     data["machine_probes"]["end"] = machine_probes()
     data["quiet_waited_s"] = gate.waited_s
     data["total_s"] = time.perf_counter() - t_start
-    data["machine"] = machine_info(args, command)
+    info_end = machine_info(args, command)
+    data["machine"] = info_start
+    data["machine"]["code_changed_during_run"] = (
+        info_end["git_commit"] != info_start["git_commit"]
+        or info_end["vllm_ddtree_uncommitted_changes"]
+        != info_start["vllm_ddtree_uncommitted_changes"])
 
     write_outputs(data, out_dir, tag, args.no_plot)
 
