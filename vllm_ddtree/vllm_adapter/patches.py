@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 
+from vllm_ddtree.vllm_adapter.checks import check_target_and_platform
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config, pop_ddtree_config
 
 SUPPORTED_VLLM = "0.32."
@@ -120,6 +121,7 @@ def _finalize(spec, ddtree: DDTreeConfig, target_model_config) -> DDTreeConfig:
     ):
         raise ValueError("ddtree supports tensor_parallel_size=1 only (for now)")
 
+    check_target_and_platform(target_model_config)
     draft_hf = spec.draft_model_config.hf_config
     target_hf = target_model_config.hf_text_config
     dflash_cfg = getattr(draft_hf, "dflash_config", None) or {}

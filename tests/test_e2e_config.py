@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Bad ddtree configurations fail at start-up with an error that names the problem."""
+
+import json
+
+import pytest
+
+from vllm_ddtree import tiny_models
+
+vllm = pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, vllm_patched):
+    return tmp_path_factory.mktemp("config")
+
+
+@pytest.fixture(scope="module")
+def pair(root):
+    target = tiny_models.make_target(root / "target", kind="random", seed=5)
+    drafter = tiny_models.make_dflash_drafter(root / "drafter", target, block_size=5, seed=6)
+    return str(target), str(drafter)
+
+
+def start(target, spec):
+    return vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                    speculative_config=spec)
+
+
+def ddtree(drafter, budget=8, **extra):
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget, **extra}
+
+
+def test_drafter_hidden_size_must_match(root, pair):
+    other = tiny_models.make_target(root / "wide_target", kind="random", hidden_size=192,
+                                    num_heads=3, seed=7)
+    with pytest.raises(ValueError, match="hidden_size"):
+        start(str(other), ddtree(pair[1]))
+
+
+def test_drafter_vocab_must_match(root, pair):
+    other = tiny_models.make_target(root / "big_vocab_target", kind="random",
+                                    vocab_size=384, seed=8)
+    with pytest.raises(ValueError, match="vocab_size"):
+        start(str(other), ddtree(pair[1]))
+
+
+def test_mask_token_must_be_in_vocab(root, pair):
+    bad = tiny_models.make_dflash_drafter(root / "bad_mask_drafter", pair[0], block_size=5)
+    cfg_path = root / "bad_mask_drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dflash_config"]["mask_token_id"] = 100_000
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mask_token_id"):
+        start(pair[0], ddtree(str(bad)))
+
+
+def test_draft_len_needs_block_size_or_key(root, pair):
+    bad = tiny_models.make_dflash_drafter(root / "no_block_drafter", pair[0], block_size=5)
+    cfg_path = root / "no_block_drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("block_size", None)
+    cfg["dflash_config"].pop("block_size", None)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="ddtree_draft_len"):
+        start(pair[0], ddtree(str(bad)))
+
+
+def test_target_without_aux_hidden_states_is_refused(root, pair):
+    """A target architecture that cannot return aux hidden states cannot feed DFlash."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = root / "gpt2_target"
+    config = GPT2Config(n_embd=128, n_head=2, n_layer=4, vocab_size=320, n_positions=512,
+                        bos_token_id=tiny_models.EOS_TOKEN_ID,
+                        eos_token_id=tiny_models.EOS_TOKEN_ID)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tiny_models.write_tokenizer(path)
+    with pytest.raises(ValueError, match="aux"):
+        start(str(path), ddtree(pair[1]))
+
+
+def test_refused_engine_options(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="disable_padded_drafter_batch"):
+        start(target, ddtree(drafter, disable_padded_drafter_batch=True))
+    with pytest.raises(ValueError, match="async"):
+        vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                 async_scheduling=True, speculative_config=ddtree(drafter))
+
+
+def test_stray_ddtree_keys_need_the_method(pair):
+    target, drafter = pair
+    spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 4,
+            "ddtree_verify": "rejection"}
+    with pytest.raises(ValueError, match="need \"method\": \"ddtree\""):
+        start(target, spec)
+
+
+def test_gpu_platform_is_refused_until_tree_attention_lands(pair, monkeypatch):
+    """Without a tree attention backend the GPU verify pass would be causal: refuse."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(ValueError, match="CPU attention backend only"):
+        start(pair[0], ddtree(pair[1]))
