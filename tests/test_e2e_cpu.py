@@ -166,3 +166,26 @@ def test_bad_config_fails_at_startup(models, extra, match):
     with pytest.raises(ValueError, match=match):
         vllm.LLM(model=models["random"][0], dtype="float32", enforce_eager=True,
                  max_model_len=512, speculative_config=spec)
+
+
+def test_abort_mid_generation_frees_everything(models, reference):
+    """An aborted request leaves no KV blocks and no tree state behind."""
+    p, ref = reference
+    target, drafter = models["oracle"]
+    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
+                   speculative_config=ddtree(drafter, 16), seed=0)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    long = vllm.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request("abort-me", {"prompt_token_ids": p[0]}, long)
+    for _ in range(4):
+        engine.step()
+    assert any("abort-me" in r for r in runner._ddtree_stash._trees)
+    engine.abort_request(["abort-me"])
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": q} for q in p[1:3]], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref["oracle"][1:3]
+    assert not any("abort-me" in r for r in runner._ddtree_stash._trees)
+    assert core.scheduler.kv_cache_manager.usage == 0.0
+    del llm
