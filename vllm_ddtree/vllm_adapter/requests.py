@@ -37,6 +37,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
+from vllm_ddtree.sampling import SAMPLING_EPS
 from vllm_ddtree.vllm_adapter.config import get_ddtree_config
 
 __all__ = [
@@ -45,8 +46,6 @@ __all__ = [
     "wrap_process_inputs",
 ]
 
-# vLLM's _SAMPLING_EPS: temperatures below it are greedy, min_p below it is off.
-_EPS = 1e-5
 
 
 class DDTreeUnsupportedParameterError(VLLMValidationError, ValueError):
@@ -134,7 +133,7 @@ def wrap_process_inputs(orig):
         # them from its check (on a private copy) and put them back on the
         # request's own params, which the worker reads.
         kept = {}
-        if params.min_p > _EPS:
+        if params.min_p > SAMPLING_EPS:
             kept["min_p"] = params.min_p
         if params.logit_bias:
             kept["logit_bias"] = dict(params.logit_bias)

@@ -25,7 +25,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.commit import CommitPlan, plan_commit
-from vllm_ddtree.sampling import TreeSamplingParams
+from vllm_ddtree.sampling import SAMPLING_EPS, TreeSamplingParams
 from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig
@@ -232,8 +232,6 @@ def _sampling_params(metadata, num_reqs: int, device,
 # min_tokens, seeds, logprobs) in tree verification
 # --------------------------------------------------------------------------- #
 
-# vLLM's _SAMPLING_EPS.
-_GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 _warned: set[str] = set()
 
@@ -271,7 +269,7 @@ def _scan_requests(runner, num_reqs: int) -> _BatchExtras:
             continue
         if sp.logit_bias:
             extras.logit_bias.append((b, sp.logit_bias))
-        if sp.temperature < _GREEDY_EPS:
+        if sp.temperature < SAMPLING_EPS:
             continue
         if sp.seed is not None:
             extras.seeded_rows.append(b)
