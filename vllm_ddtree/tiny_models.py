@@ -318,18 +318,8 @@ def make_target(
 
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = _linear(g, q_out, hidden_size)
-        sd[p + "self_attn.k_proj.weight"] = _linear(g, kv_out, hidden_size)
-        sd[p + "self_attn.v_proj.weight"] = _linear(g, kv_out, hidden_size)
-        sd[p + "self_attn.o_proj.weight"] = _linear(g, hidden_size, q_out)
-        if arch == "qwen3":
-            sd[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
-            sd[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
-        sd[p + "input_layernorm.weight"] = torch.ones(hidden_size)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden_size)
-        sd[p + "mlp.gate_proj.weight"] = _linear(g, intermediate_size, hidden_size)
-        sd[p + "mlp.up_proj.weight"] = _linear(g, intermediate_size, hidden_size)
-        sd[p + "mlp.down_proj.weight"] = _linear(g, hidden_size, intermediate_size)
+        sd.update(_decoder_layer(g, p, hidden_size, q_out, kv_out, head_dim,
+                                 intermediate_size, qk_norm=arch == "qwen3"))
         if kind == "oracle":
             for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
                 sd[p + name].mul_(oracle_noise)
@@ -485,17 +475,8 @@ def make_dflash_drafter(
     }
     for i in range(num_layers):
         p = f"layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = _linear(g, q_out, hidden)
-        sd[p + "self_attn.k_proj.weight"] = _linear(g, kv_out, hidden)
-        sd[p + "self_attn.v_proj.weight"] = _linear(g, kv_out, hidden)
-        sd[p + "self_attn.o_proj.weight"] = _linear(g, hidden, q_out)
-        sd[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
-        sd[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
-        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-        sd[p + "mlp.gate_proj.weight"] = _linear(g, intermediate_size, hidden)
-        sd[p + "mlp.up_proj.weight"] = _linear(g, intermediate_size, hidden)
-        sd[p + "mlp.down_proj.weight"] = _linear(g, hidden, intermediate_size)
+        sd.update(_decoder_layer(g, p, hidden, q_out, kv_out, head_dim, intermediate_size,
+                                 qk_norm=True))
 
     if kind == "oracle":
         with safe_open(str(target_path / "model.safetensors"), framework="pt") as f:
@@ -584,6 +565,26 @@ def _torch_dtype(dtype: str) -> torch.dtype:
 
 def _randn(g: torch.Generator, *shape: int, std: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=g) * std
+
+
+def _decoder_layer(g: torch.Generator, prefix: str, hidden: int, q_out: int, kv_out: int,
+                   head_dim: int, intermediate: int, qk_norm: bool) -> dict[str, torch.Tensor]:
+    """Random weights of one Llama/Qwen3 decoder layer (draw order fixed by the seed)."""
+    sd = {
+        prefix + "self_attn.q_proj.weight": _linear(g, q_out, hidden),
+        prefix + "self_attn.k_proj.weight": _linear(g, kv_out, hidden),
+        prefix + "self_attn.v_proj.weight": _linear(g, kv_out, hidden),
+        prefix + "self_attn.o_proj.weight": _linear(g, hidden, q_out),
+    }
+    if qk_norm:
+        sd[prefix + "self_attn.q_norm.weight"] = torch.ones(head_dim)
+        sd[prefix + "self_attn.k_norm.weight"] = torch.ones(head_dim)
+    sd[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+    sd[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    sd[prefix + "mlp.gate_proj.weight"] = _linear(g, intermediate, hidden)
+    sd[prefix + "mlp.up_proj.weight"] = _linear(g, intermediate, hidden)
+    sd[prefix + "mlp.down_proj.weight"] = _linear(g, hidden, intermediate)
+    return sd
 
 
 def _linear(g: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
