@@ -90,6 +90,7 @@ def test_random_drafter_is_lossless(models, reference, budget, batch):
 def test_oracle_pair_accepts_everything(models, reference):
     p, ref = reference
     out, stats = generate(models["oracle"][0], p, ddtree(models["oracle"][1], 16))
+    print("oracle pair:", stats)
     assert out == ref["oracle"]
     mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
     assert mean_acceptance >= 0.9 * BLOCK_SIZE, stats
@@ -143,6 +144,7 @@ def test_siblings_are_accepted_and_committed(models, reference, monkeypatch):
     # B = 30 holds the whole binary tree of depth 4 (2 + 4 + 8 + 16 nodes).
     out, stats = generate(target, p, ddtree(drafter, 30))
     assert out == ref["random"]
+    print("scripted siblings:", stats)
     assert stats["branch_paths"] > 0, stats
     mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
     assert mean_acceptance >= 0.8 * BLOCK_SIZE, stats
