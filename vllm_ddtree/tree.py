@@ -196,17 +196,15 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
 def _top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` largest scores per row, best first, ties to the lower index.
 
-    One top-k over distinct int64 keys (order-preserving float32 bits, then the
-    reversed index) instead of a stable sort of the whole row: same order, a
-    fraction of the work.
+    Scores are log-probabilities, in [-inf, 0], so a larger score has a smaller
+    float32 magnitude, and the magnitude's bits order like the magnitude. One
+    top-k over distinct int64 keys (magnitude bits, then the index) replaces a
+    stable sort of the whole row: same order, a fraction of the work.
     """
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 ranks as +0.0
-    # Negative floats: flip the magnitude bits so the int32 order is the float order.
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    width = scores.shape[1]
-    index = torch.arange(width, device=scores.device)
-    keys = (ordered << 32) | (width - 1 - index)
-    return keys.topk(count, dim=1, largest=True, sorted=True).indices
+    magnitude = scores.view(torch.int32) & 0x7FFFFFFF  # -0.0 ranks as +0.0
+    index = torch.arange(scores.shape[1], device=scores.device)
+    keys = (magnitude.to(torch.int64) << 32) | index
+    return keys.topk(count, dim=1, largest=False, sorted=True).indices
 
 
 def build_ddtree(
@@ -226,7 +224,8 @@ def build_ddtree(
         root_token_ids: [num_reqs] bonus tokens stored at row 0 (default 0).
         max_budget: static node capacity N when ``budget`` is a tensor (avoids a
             host sync); defaults to ``budget.max()``.
-        top_k: precomputed :func:`draft_top_k` output with k >= min(N, V).
+        top_k: precomputed :func:`draft_top_k` output with k >= min(N, V) (log-probs,
+            so every score is <= 0).
         validate: check values (NaN/inf) too; this synchronizes with the device.
 
     Returns:
@@ -245,36 +244,32 @@ def build_ddtree(
     else:
         log_probs, token_ids = top_k[0][..., :k].float(), top_k[1][..., :k]
 
-    # Per depth, the top `cap` nodes in tie-break order: scores, the position of
-    # the parent in the previous depth's list, and the draft rank.
-    level_scores = []
-    level_parent_pos = []
-    level_rank = []
+    # Per depth, the top `cap` nodes in tie-break order: their scores, and which
+    # (parent position in the previous depth's list, draft rank) pair made each.
+    pair_parent, pair_rank = _candidate_pairs(cap, k, device)
+    # Pair ids: depth 1 uses ids 0..cap-1 (parent = root, rank = id); deeper depths
+    # use cap + index into the (pair_parent, pair_rank) list.
+    all_pair_parent = torch.cat([torch.zeros(cap, dtype=torch.int64, device=device), pair_parent])
+    all_pair_rank = torch.cat([torch.arange(cap, device=device), pair_rank])
     # Depth 1: the root's children are the top ranks, already sorted.
     first = torch.full((num_reqs, cap), float("-inf"), device=device)
     first[:, :k] = log_probs[:, 0, :k]
-    rank1 = torch.zeros(cap, dtype=torch.int64, device=device)
-    rank1[:k] = torch.arange(k, device=device)
-    level_scores.append(first)
-    level_parent_pos.append(torch.zeros(num_reqs, cap, dtype=torch.int64, device=device))
-    level_rank.append(rank1.unsqueeze(0).expand(num_reqs, cap))
-
-    pair_parent, pair_rank = _candidate_pairs(cap, k, device)
+    level_scores = [first]
+    level_pairs = [torch.arange(cap, device=device).expand(num_reqs, cap)]
     for d in range(1, depth_limit):
         # [R, C] candidate scores; an invalid parent (-inf) stays -inf.
-        cand = level_scores[-1][:, pair_parent] + log_probs[:, d, pair_rank]
+        cand = level_scores[-1].index_select(1, pair_parent) + log_probs[:, d].index_select(
+            1, pair_rank
+        )
         # Ties keep the (parent position, rank) order of the pair list.
         order = _top_in_order(cand, cap)
         level_scores.append(cand.gather(1, order))
-        level_parent_pos.append(pair_parent[order])
-        level_rank.append(pair_rank[order])
+        level_pairs.append(order + cap)
 
     # One top-`cap` over all depths; ties broken by (depth, position).
-    all_scores = torch.stack(level_scores, dim=1)  # [R, L, cap]
-    all_parent_pos = torch.stack(level_parent_pos, dim=1)
-    all_rank = torch.stack(level_rank, dim=1)
-    flat_scores = all_scores.reshape(num_reqs, depth_limit * cap)
+    flat_scores = torch.stack(level_scores, dim=1).reshape(num_reqs, depth_limit * cap)
     sel = _top_in_order(flat_scores, cap)  # [R, cap]
+    sel_pair = torch.stack(level_pairs, dim=1).reshape(num_reqs, -1).gather(1, sel)
     sel_scores = flat_scores.gather(1, sel)
 
     node_slot = torch.arange(cap, device=device).unsqueeze(0)
@@ -287,12 +282,12 @@ def build_ddtree(
     # Local index (1-based) of every (depth, position) entry that made the tree.
     local_of_entry = torch.zeros(num_reqs, depth_limit * cap, dtype=torch.int64, device=device)
     local_of_entry.scatter_(1, sel, torch.where(valid, node_slot + 1, 0))
-    parent_pos = all_parent_pos.reshape(num_reqs, -1).gather(1, sel)
+    parent_pos = all_pair_parent[sel_pair]
     parent_entry = (sel_depth0 - 1).clamp(min=0) * cap + parent_pos
     parent_local = torch.where(
         sel_depth0 == 0, 0, local_of_entry.gather(1, parent_entry)
     )
-    rank = all_rank.reshape(num_reqs, -1).gather(1, sel)
+    rank = all_pair_rank[sel_pair]
     # token_ids[b, depth, rank] for each selected node.
     flat_ids = token_ids.reshape(num_reqs, depth_limit * k)
     node_tokens = flat_ids.gather(1, sel_depth0 * k + rank.clamp(max=k - 1))
@@ -393,11 +388,11 @@ def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
     """[..., rows, rows] bool -> [..., rows, ceil(rows / 32)] int32 little-endian bits."""
     rows = visibility.shape[-1]
     words = (rows + 31) // 32
-    bits = torch.nn.functional.pad(visibility, (0, words * 32 - rows)).to(torch.uint8)
+    bits = torch.nn.functional.pad(visibility, (0, words * 32 - rows)).view(torch.uint8)
     bits = bits.reshape(*visibility.shape[:-1], words * 4, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8,
-                           device=visibility.device)
-    packed_bytes = (bits * weights).sum(dim=-1, dtype=torch.uint8)
+    packed_bytes = bits[..., 0].clone()
+    for bit in range(1, 8):
+        packed_bytes |= bits[..., bit] << bit
     # Four little-endian bytes are one int32 word (bit j % 32 of word j // 32).
     return packed_bytes.view(torch.int32)
 
