@@ -98,17 +98,17 @@ class DDTreeRunnerMixin:
         root_pos = linear[step.block_starts]
         self.positions[rows] = (root_pos.unsqueeze(1) + tree.depths)[real]
 
-        self._ddtree_attn = attn_context.TreeAttentionBatch(tuple(
-            attn_context.TreeRequest(
-                req_index=b,
-                row_offset=starts[b] - query_start[b],
-                num_rows=num_drafts[b] + 1,
-                prefix_len=int(root_pos[b]),
-                visibility=tree.visibility[b, : num_drafts[b] + 1, : num_drafts[b] + 1],
-            )
-            for b in range(num_reqs)
-            if num_drafts[b] > 0
-        ))
+        # Root-only blocks attend as the stock kernel does: only real trees are listed.
+        tree_reqs = [b for b in range(num_reqs) if num_drafts[b] > 0]
+        root_positions = root_pos.tolist()
+        self._ddtree_attn = attn_context.TreeAttentionBatch.from_tree(
+            tree,
+            tree_rows=tree_reqs,
+            req_indices=tree_reqs,
+            row_offsets=[starts[b] - query_start[b] for b in tree_reqs],
+            num_rows=[num_drafts[b] + 1 for b in tree_reqs],
+            prefix_lens=[root_positions[b] for b in tree_reqs],
+        )
         self._ddtree_step = step
         self._ddtree_linear_positions = linear
         return out
