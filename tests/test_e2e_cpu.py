@@ -96,8 +96,12 @@ def test_oracle_pair_accepts_everything(models, reference):
     assert mean_acceptance >= 0.9 * BLOCK_SIZE, stats
 
 
-def test_siblings_are_accepted_and_committed(models, reference, monkeypatch):
-    """True continuation at rank 1 of every depth: only a tree can accept it."""
+@pytest.mark.parametrize("max_children", [None, 1])
+def test_siblings_are_accepted_and_committed(models, reference, monkeypatch, max_children):
+    """True continuation at rank 1 of every depth: only a tree can accept it.
+
+    ``ddtree_max_children=1`` verifies the argmax chain: it must accept nothing.
+    """
     p, ref = reference
     target, drafter = models["random"]
     full = {tuple(q): q + r for q, r in zip(p, ref["random"])}
@@ -142,12 +146,18 @@ def test_siblings_are_accepted_and_committed(models, reference, monkeypatch):
 
     monkeypatch.setattr(runner_module, "enable_ddtree", enable_and_remember)
     # B = 30 holds the whole binary tree of depth 4 (2 + 4 + 8 + 16 nodes).
-    out, stats = generate(target, p, ddtree(drafter, 30))
+    spec = ddtree(drafter, 30)
+    if max_children is not None:
+        spec["ddtree_max_children"] = max_children
+    out, stats = generate(target, p, spec)
     assert out == ref["random"]
-    print("scripted siblings:", stats)
-    assert stats["branch_paths"] > 0, stats
+    print("scripted siblings:", max_children, stats)
     mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
-    assert mean_acceptance >= 0.8 * BLOCK_SIZE, stats
+    if max_children == 1:
+        assert stats["branch_paths"] == 0 and stats["accepted"] == 0, stats
+    else:
+        assert stats["branch_paths"] > 0, stats
+        assert mean_acceptance >= 0.8 * BLOCK_SIZE, stats
 
 
 @pytest.mark.parametrize(
@@ -157,6 +167,7 @@ def test_siblings_are_accepted_and_committed(models, reference, monkeypatch):
         ({"num_speculative_tokens": 0}, "must be an integer >= 1"),
         ({"ddtree_verify": "leviathan"}, "ddtree_verify"),
         ({"ddtree_threshold_acc": 0.0}, "ddtree_threshold_acc"),
+        ({"ddtree_max_children": 0}, "ddtree_max_children"),
         ({"model": None}, "needs \"model\""),
     ],
 )

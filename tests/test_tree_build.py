@@ -142,6 +142,33 @@ def test_node_set_is_top_budget_by_brute_force(depth, vocab):
             assert tree_paths(tree, 0) == set(brute_force_top(logits[0], budget))
 
 
+@pytest.mark.parametrize("max_children", [1, 2, 3])
+def test_max_children_limits_ranks_per_depth(max_children):
+    """max_children=K: the top-B prefixes whose every token is in its depth's top K."""
+    for seed in range(4):
+        logits = random_logits(200 + seed, 2, 4, 5, "random")
+        for budget in (1, 6, 30, 200):
+            fast = build_ddtree(logits, budget, max_children=max_children)
+            assert_same_tree(
+                fast, build_ddtree_reference(logits, budget, max_children=max_children))
+            for b in range(2):
+                allowed = logits[b].topk(max_children, dim=-1).indices
+                want = [p for p in brute_force_top(logits[b], 10**6)
+                        if all(t in allowed[i] for i, t in enumerate(p))][:budget]
+                assert tree_paths(fast, b) == set(want)
+    # K = 1 is the argmax chain.
+    chain = build_ddtree(logits, 3, max_children=1)
+    assert chain.parents[0].tolist() == [-1, 0, 1, 2]
+    assert chain.tokens[0, 1:].tolist() == logits[0, :3].argmax(-1).tolist()
+
+
+def test_max_children_rejects_bad_values():
+    logits = random_logits(0, 1, 2, 3, "random")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_children"):
+            build_ddtree(logits, 4, max_children=bad)
+
+
 def test_tree_invariants():
     logits = random_logits(3, 3, 8, 20, "ties")
     budget = 50

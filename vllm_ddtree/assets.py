@@ -393,9 +393,33 @@ def _raw_prompts(dataset: str) -> tuple[str, ...]:
     raise ValueError(f"unknown dataset {dataset!r}; choose from {DATASETS}")
 
 
-def load_raw_prompts(dataset: str) -> list[str]:
-    """All user messages of ``dataset`` in file order (no chat template)."""
-    return list(_raw_prompts(dataset.lower()))
+# The last SHAREGPT_EVAL_SIZE first human turns are held out for benchmarks;
+# drafter training draws only from the rest (minus any text that also occurs
+# in the held-out tail: ShareGPT repeats popular prompts).
+SHAREGPT_EVAL_SIZE = 1000
+SPLITS = ("all", "train", "eval")
+
+
+def load_raw_prompts(dataset: str, split: str = "all") -> list[str]:
+    """User messages of ``dataset`` in file order (no chat template).
+
+    ``split`` applies to ShareGPT only ("train": never benchmarked, "eval":
+    the held-out tail); the other sets are benchmark-only and have one split.
+    """
+    dataset = dataset.lower()
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    raw = _raw_prompts(dataset)
+    if split == "all":
+        return list(raw)
+    if dataset != "sharegpt":
+        raise ValueError(f"{dataset} has no {split!r} split (only sharegpt "
+                         "is split; the other sets are benchmark-only)")
+    eval_part = raw[-SHAREGPT_EVAL_SIZE:]
+    if split == "eval":
+        return list(eval_part)
+    held_out = set(eval_part)
+    return [p for p in raw[:-SHAREGPT_EVAL_SIZE] if p not in held_out]
 
 
 def render_chat(tokenizer, user_message: str) -> str:
@@ -415,7 +439,8 @@ def _selection_order(n_total: int, seed: Optional[int]) -> Sequence[int]:
 
 def load_prompts(dataset: str, n: Optional[int] = None, tokenizer=None,
                  seed: Optional[int] = None,
-                 max_prompt_tokens: Optional[int] = None) -> list[str]:
+                 max_prompt_tokens: Optional[int] = None,
+                 split: str = "all") -> list[str]:
     """``n`` chat-rendered prompts from ``dataset`` (all when ``n`` is None).
 
     ``dataset``: "humaneval", "mtbench" (first turn), "gsm8k" (test split) or
@@ -424,9 +449,10 @@ def load_prompts(dataset: str, n: Optional[int] = None, tokenizer=None,
     ``AutoTokenizer``, or None for the SmolLM2 target (converted if needed).
     ``seed`` None keeps file order; an int shuffles with
     ``random.Random(seed)``. ``max_prompt_tokens`` skips longer prompts
-    (after rendering), still deterministically.
+    (after rendering), still deterministically. ``split``: see
+    :func:`load_raw_prompts` (benchmarks use "eval" for ShareGPT).
     """
-    raw = _raw_prompts(dataset.lower())
+    raw = load_raw_prompts(dataset, split)
     if tokenizer is None or isinstance(tokenizer, (str, Path)):
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(
@@ -449,7 +475,8 @@ def load_prompts(dataset: str, n: Optional[int] = None, tokenizer=None,
 
 
 __all__ = [
-    "DATASETS", "SMOLLM2_GGUF_SHA256", "SMOLLM2_PACKAGE", "cache_root",
+    "DATASETS", "SHAREGPT_EVAL_SIZE", "SMOLLM2_GGUF_SHA256", "SMOLLM2_PACKAGE",
+    "SPLITS", "cache_root",
     "gsm8k_path", "load_prompts", "load_raw_prompts", "recover_json_array",
     "render_chat", "sharegpt_first_human_turns", "smollm2_target",
 ]

@@ -214,6 +214,7 @@ def build_ddtree(
     *,
     max_budget: int | None = None,
     top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_children: int | None = None,
     validate: bool = True,
 ) -> DraftTree:
     """Builds the DDTree of every request, batched and on device.
@@ -224,8 +225,11 @@ def build_ddtree(
         root_token_ids: [num_reqs] bonus tokens stored at row 0 (default 0).
         max_budget: static node capacity N when ``budget`` is a tensor (avoids a
             host sync); defaults to ``budget.max()``.
-        top_k: precomputed :func:`draft_top_k` output with k >= min(N, V) (log-probs,
-            so every score is <= 0).
+        top_k: precomputed :func:`draft_top_k` output with k >= min(N, V,
+            max_children) (log-probs, so every score is <= 0).
+        max_children: draft tokens considered per depth, hence children per node
+            at most (the paper's K = min(B, V) when None). 1 gives the DFlash
+            chain (the argmax path, truncated to B nodes).
         validate: check values (NaN/inf) too; this synchronizes with the device.
 
     Returns:
@@ -238,7 +242,7 @@ def build_ddtree(
     if cap == 0:
         return _empty_tree(num_reqs, depth_limit, root_token_ids, device)
 
-    k = min(cap, vocab)
+    k = _children_per_depth(cap, vocab, max_children)
     if top_k is None:
         log_probs, token_ids = draft_top_k(draft_logits, k)
     else:
@@ -307,6 +311,15 @@ def build_ddtree(
     )
     num_nodes = valid.sum(dim=1)
     return _finish_tree(tokens, parents, depths, scores, num_nodes, depth_limit)
+
+
+def _children_per_depth(cap: int, vocab: int, max_children: int | None) -> int:
+    if max_children is None:
+        return min(cap, vocab)
+    if isinstance(max_children, bool) or not isinstance(max_children, (int, np.integer)) \
+            or max_children < 1:
+        raise ValueError(f"max_children must be None or an int >= 1, got {max_children!r}")
+    return min(cap, vocab, int(max_children))
 
 
 def _empty_tree(
@@ -472,6 +485,7 @@ def build_ddtree_reference(
     root_token_ids: list[int] | None = None,
     *,
     top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_children: int | None = None,
 ) -> DraftTree:
     """The paper's best-first heap (Prop. 3), one request at a time. Test oracle.
 
@@ -485,10 +499,10 @@ def build_ddtree_reference(
     if any(b < 0 for b in budgets):
         raise ValueError("budget must be >= 0")
     cap = max(budgets, default=0)
-    k = min(cap, vocab)
     if cap == 0:
         roots = torch.tensor(root_token_ids) if root_token_ids is not None else None
         return _empty_tree(num_reqs, depth_limit, roots, draft_logits.device)
+    k = _children_per_depth(cap, vocab, max_children)
     if top_k is None:
         top_k = draft_top_k(draft_logits, k)
     lp_all = top_k[0][..., :k].float().cpu().numpy()

@@ -41,6 +41,10 @@ class DDTreeConfig:
     """EAGLE-style relaxation of the rejection rule; 1.0 is exact (lossless)."""
     threshold_acc: float = 1.0
     """EAGLE-style relaxation of the rejection rule; 1.0 is exact (lossless)."""
+    max_children: int | None = None
+    """Draft tokens considered per depth, hence children per node at most (the
+    paper's K; default min(B, vocab)). 1 verifies the DFlash argmax chain with
+    this project's lossless sampler."""
     kernel_backend: str = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
@@ -53,6 +57,7 @@ DDTREE_KEYS = {
     "ddtree_threshold_single": "threshold_single",
     "ddtree_threshold_acc": "threshold_acc",
     "ddtree_kernel_backend": "kernel_backend",
+    "ddtree_max_children": "max_children",
 }
 
 
@@ -108,6 +113,13 @@ def _validate(cfg: DDTreeConfig) -> None:
         or cfg.draft_len < 1
     ):
         raise ValueError(f"ddtree_draft_len must be an integer >= 1, got {cfg.draft_len!r}")
+    if cfg.max_children is not None and (
+        isinstance(cfg.max_children, bool) or not isinstance(cfg.max_children, int)
+        or cfg.max_children < 1
+    ):
+        raise ValueError(
+            f"ddtree_max_children must be an integer >= 1, got {cfg.max_children!r}"
+        )
     if cfg.verify not in ("rejection", "sample_walk"):
         raise ValueError(
             f"ddtree_verify must be 'rejection' or 'sample_walk', got {cfg.verify!r}"

@@ -51,6 +51,7 @@ class DDTreeProposer(DFlashProposer):
             logits.view(num_reqs, self.draft_len, -1),
             self.ddtree.budget,
             root_token_ids=next_token_ids,
+            max_children=self.ddtree.max_children,
             validate=False,
         )
         self._draft_logits = None

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Trains the project's DFlash drafter for SmolLM2-135M-Instruct, stage by stage.
+
+    python -m vllm_ddtree.drafter all --workdir ~/.cache/vllm-ddtree/drafter-work
+
+Stages (each resumable; ``all`` runs the missing ones in order):
+``generate`` (target continuations), ``features`` (target hidden states),
+``train`` (DFlash objective, checkpoints every ``--ckpt-every`` steps),
+``export`` (vLLM checkpoint directory, default ``vllm_ddtree/drafter/smollm2_135m``).
+Runs on CUDA when available, else CPU. Safe to kill at any point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from vllm_ddtree import assets
+
+DEFAULT_WORKDIR = assets.cache_root() / "drafter-work"
+DEFAULT_EXPORT = Path(__file__).resolve().parent / "smollm2_135m"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vllm_ddtree.drafter", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=["generate", "features", "train", "export", "all"])
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    p.add_argument("--export-dir", type=Path, default=DEFAULT_EXPORT)
+    p.add_argument("--num-sharegpt", type=int, default=3000)
+    p.add_argument("--num-code", type=int, default=1000)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 9, 18, 27])
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=16)  # <empty_output>
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--seqs-per-step", type=int, default=8)
+    p.add_argument("--anchors-per-seq", type=int, default=8)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--loss-decay", type=float, default=7.0,
+                   help="position j of the block has loss weight exp(-(j-1)/decay)")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--val-every-nth-seq", type=int, default=50,
+                   help="sequence i is held out for evaluation when i %% N == 0")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from vllm_ddtree.drafter import data
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    target = assets.smollm2_target()
+    stages = ["generate", "features", "train", "export"] if args.stage == "all" else [args.stage]
+    if "generate" in stages:
+        prompts = data.training_prompts(args.num_sharegpt, args.num_code, args.seed)
+        data.generate_continuations(args.workdir, target, prompts,
+                                    max_new_tokens=args.max_new_tokens)
+    if "features" in stages:
+        data.extract_features(args.workdir, target, args.target_layer_ids)
+    if "train" in stages or "export" in stages:
+        from vllm_ddtree.drafter import train
+
+        config = train.TrainConfig.from_args(args)
+        (args.workdir / "train_config.json").write_text(json.dumps(config.__dict__, indent=2))
+        if "train" in stages:
+            train.train(args.workdir, target, config)
+        if "export" in stages:
+            train.export_latest(args.workdir, target, config, args.export_dir)
+
+
+if __name__ == "__main__":
+    main()

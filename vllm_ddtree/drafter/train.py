@@ -1,0 +1,298 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DFlash training loop: block-diffusion objective on cached target features.
+
+One step samples ``seqs_per_step`` target-generated sequences and
+``anchors_per_seq`` anchor positions p in each continuation. Each anchor makes a
+block ``[token_p, mask x (bs-1)]`` at positions p..p+bs-1 that attends to the
+context rows < p and to its own block (all blocks of a sequence share one attention
+call). Mask slot j is trained to predict token p+j with cross-entropy weighted
+``exp(-(j-1)/decay)`` (early slots matter most for acceptance; DFlash,
+arXiv 2602.06036). The LM head and token embeddings are the target's, frozen.
+
+Resumable: a checkpoint (model, optimizer, step, RNG) every ``ckpt_every`` steps;
+``train_log.jsonl`` holds the curve (loss, and on held-out sequences the position
+accuracies and the greedy chain acceptance length).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm_ddtree.drafter import data
+from vllm_ddtree.drafter.model import DFlashDrafter, DrafterShape
+
+CKPT_DIR = "checkpoints"
+LOG = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    target_layer_ids: list[int]
+    num_layers: int
+    block_size: int
+    mask_token_id: int
+    steps: int
+    seqs_per_step: int
+    anchors_per_seq: int
+    lr: float
+    loss_decay: float
+    ckpt_every: int
+    eval_every: int
+    seed: int
+    warmup: int = 50
+    weight_decay: float = 0.01
+    min_lr_ratio: float = 0.1
+    val_every_nth_seq: int = 50  # sequence i is held out when i % this == 0
+
+    @classmethod
+    def from_args(cls, args) -> TrainConfig:
+        return cls(
+            target_layer_ids=list(args.target_layer_ids), num_layers=args.num_layers,
+            block_size=args.block_size, mask_token_id=args.mask_token_id, steps=args.steps,
+            seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
+            loss_decay=args.loss_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+            seed=args.seed, val_every_nth_seq=args.val_every_nth_seq)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cos)
+
+
+class TargetHead:
+    """The target's frozen token embeddings (= tied LM head)."""
+
+    def __init__(self, target_dir: str, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        self.config = model.config
+        self.embed = model.model.embed_tokens.weight.detach().to(device)  # [V, H]
+        self.model = model  # kept for init_from_target; freed by the caller
+
+
+def make_batch(
+    index: data.FeatureIndex, feats: np.memmap, tokens: np.memmap, seq_ids: list[int],
+    anchors_per_seq: int, block_size: int, rng: np.random.Generator | None,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Padded tensors for one step. ``rng`` None: anchors every block_size tokens (eval)."""
+    picked = []
+    for i in seq_ids:
+        off, n, plen = index.offsets[i], index.lengths[i], index.prompt_lengths[i]
+        lo, hi = max(plen, 1), n - 2  # p in [lo, hi]: at least one target token
+        if hi < lo:
+            continue
+        if rng is None:
+            anchors = np.arange(lo, hi + 1, block_size)[:anchors_per_seq]
+        else:
+            cands = np.arange(lo, hi + 1)
+            anchors = np.sort(rng.choice(cands, size=min(anchors_per_seq, len(cands)),
+                                         replace=False))
+        picked.append((off, n, anchors))
+    num_seqs = len(picked)
+    max_len = max(n for _, n, _ in picked)
+    num_anchors = max(len(a) for _, _, a in picked)
+    width = feats.shape[1]
+    bs = block_size
+    q = num_anchors * bs
+    feat = torch.zeros(num_seqs, max_len, width, dtype=torch.bfloat16)
+    bonus = torch.zeros(num_seqs, num_anchors, dtype=torch.long)
+    labels = torch.full((num_seqs, num_anchors, bs - 1), -100, dtype=torch.long)
+    qpos = torch.zeros(num_seqs, num_anchors, bs, dtype=torch.long)
+    mask = torch.zeros(num_seqs, q, max_len + q, dtype=torch.bool)
+    for s, (off, n, anchors) in enumerate(picked):
+        feat[s, :n] = torch.from_numpy(np.asarray(feats[off:off + n])).view(torch.bfloat16)
+        toks = torch.from_numpy(np.asarray(tokens[off:off + n]).astype(np.int64))
+        for a, p in enumerate(anchors.tolist()):
+            bonus[s, a] = toks[p]
+            span = toks[p + 1:p + bs]
+            labels[s, a, :len(span)] = span
+            qpos[s, a] = torch.arange(p, p + bs)
+            rows = slice(a * bs, (a + 1) * bs)
+            mask[s, rows, :p] = True
+            mask[s, rows, max_len + a * bs:max_len + (a + 1) * bs] = True
+        for a in range(len(anchors), num_anchors):  # padding blocks see themselves only
+            rows = slice(a * bs, (a + 1) * bs)
+            mask[s, rows, max_len + a * bs:max_len + (a + 1) * bs] = True
+    return {
+        "features": feat.to(device),
+        "context_positions": torch.arange(max_len).expand(num_seqs, max_len).to(device),
+        "bonus": bonus.to(device),
+        "labels": labels.to(device),
+        "query_positions": qpos.reshape(num_seqs, q).to(device),
+        "mask": mask.to(device),
+    }
+
+
+def drafter_logits(model: DFlashDrafter, embed: torch.Tensor, batch: dict) -> torch.Tensor:
+    """[S, A, bs-1, V] logits of the mask slots."""
+    s, a = batch["bonus"].shape
+    bs = model.shape.block_size
+    ctx = model.context_kv(batch["features"].float(), batch["context_positions"])
+    bonus_embeds = embed[batch["bonus"]]  # [S, A, H]
+    block = torch.cat([bonus_embeds.unsqueeze(2),
+                       model.mask_embedding.expand(s, a, bs - 1, -1)], dim=2)
+    hidden = model(block.reshape(s, a * bs, -1), batch["query_positions"], ctx, batch["mask"])
+    hidden = hidden.reshape(s, a, bs, -1)[:, :, 1:]
+    return hidden @ embed.T
+
+
+def position_weights(block_size: int, decay: float, device) -> torch.Tensor:
+    j = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(j - 1) / decay)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none",
+                         ignore_index=-100).view(labels.shape)
+    w = weights * (labels >= 0)
+    return (ce * w).sum() / w.sum().clamp(min=1e-6)
+
+
+@torch.no_grad()
+def evaluate(model, embed, index, feats, tokens, val_ids, block_size, device) -> dict:
+    """Held-out position accuracy and greedy chain acceptance (1 + accepted drafts)."""
+    model.eval()
+    correct = torch.zeros(block_size - 1)
+    count = torch.zeros(block_size - 1)
+    accepted = []
+    for start in range(0, len(val_ids), 4):
+        batch = make_batch(index, feats, tokens, val_ids[start:start + 4], 16, block_size,
+                           None, device)
+        pred = drafter_logits(model, embed, batch).argmax(-1).cpu()
+        labels = batch["labels"].cpu()
+        valid = labels >= 0
+        hit = (pred == labels) & valid
+        correct += hit.flatten(0, 1).sum(0).float()
+        count += valid.flatten(0, 1).sum(0).float()
+        full = valid.all(-1)  # blocks with every label inside the sequence
+        run = hit.long().cumprod(-1).sum(-1)
+        accepted.extend((1 + run[full]).tolist())
+    model.train()
+    acc = (correct / count.clamp(min=1)).tolist()
+    return {"val_acc": [round(x, 4) for x in acc],
+            "val_tau_chain": round(float(np.mean(accepted)), 4) if accepted else None,
+            "val_blocks": len(accepted)}
+
+
+def _checkpoints(workdir: Path) -> list[Path]:
+    d = workdir / CKPT_DIR
+    return sorted(d.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1])) if d.is_dir() else []
+
+
+def _new_model(head: TargetHead, config: TrainConfig) -> DFlashDrafter:
+    shape = DrafterShape.from_target(head.config, num_layers=config.num_layers,
+                                     target_layer_ids=config.target_layer_ids,
+                                     mask_token_id=config.mask_token_id,
+                                     block_size=config.block_size)
+    return DFlashDrafter(shape)
+
+
+def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
+    from tqdm import tqdm
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    index, feats, tokens = data.open_features(workdir)
+    if index.target_layer_ids != config.target_layer_ids:
+        raise ValueError(f"features have layers {index.target_layer_ids}, config "
+                         f"{config.target_layer_ids}")
+    head = TargetHead(target_dir, device)
+    model = _new_model(head, config)
+    n = len(index.ids)
+    val_ids = [i for i in range(n) if i % config.val_every_nth_seq == 0][:64]
+    train_ids = [i for i in range(n) if i % config.val_every_nth_seq != 0]
+    opt_params = [p for p in model.parameters()]
+    ckpts = _checkpoints(workdir)
+    if ckpts:
+        state = torch.load(ckpts[-1], weights_only=False)
+        model.load_state_dict(state["model"])
+        step = state["step"]
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+    else:
+        model.init_from_target(head.model)
+        step = 0
+        rng = np.random.default_rng(config.seed)
+    del head.model
+    model.to(device).train()
+    opt = torch.optim.AdamW(opt_params, lr=config.lr, weight_decay=config.weight_decay,
+                            betas=(0.9, 0.95))
+    if ckpts:
+        opt.load_state_dict(state["optimizer"])
+    weights = position_weights(config.block_size, config.loss_decay, device)
+    log = (workdir / LOG).open("a")
+    if step == 0:
+        log.write(json.dumps({"step": 0, **evaluate(model, head.embed, index, feats, tokens,
+                                                    val_ids, config.block_size, device)}) + "\n")
+        log.flush()
+    bar = tqdm(total=config.steps, initial=step, desc="train", unit="step", mininterval=30)
+    while step < config.steps:
+        t0 = time.perf_counter()
+        seq_ids = rng.choice(train_ids, size=config.seqs_per_step, replace=False).tolist()
+        batch = make_batch(index, feats, tokens, seq_ids, config.anchors_per_seq,
+                           config.block_size, rng, device)
+        for g in opt.param_groups:
+            g["lr"] = config.lr_at(step)
+        loss = loss_fn(drafter_logits(model, head.embed, batch), batch["labels"], weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(opt_params, 1.0)
+        opt.step()
+        step += 1
+        row = {"step": step, "loss": round(loss.item(), 4), "lr": config.lr_at(step - 1),
+               "grad_norm": round(grad_norm.item(), 3), "s": round(time.perf_counter() - t0, 3),
+               "predictions": int((batch["labels"] >= 0).sum())}
+        if step % config.eval_every == 0 or step == config.steps:
+            row.update(evaluate(model, head.embed, index, feats, tokens, val_ids,
+                                config.block_size, device))
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        bar.set_postfix(loss=row["loss"], refresh=False)
+        bar.update(1)
+        if step % config.ckpt_every == 0 or step == config.steps:
+            _save(workdir, model, opt, step, rng)
+    bar.close()
+
+
+def _save(workdir: Path, model, opt, step: int, rng: np.random.Generator) -> None:
+    d = workdir / CKPT_DIR
+    d.mkdir(exist_ok=True)
+    tmp = d / f".step_{step}.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "rng": rng.bit_generator.state}, tmp)
+    os.replace(tmp, d / f"step_{step}.pt")
+    for old in _checkpoints(workdir)[:-2]:
+        old.unlink()
+
+
+def export_latest(workdir: Path, target_dir: str, config: TrainConfig, out_dir: Path) -> Path:
+    """Exports the newest checkpoint as a vLLM drafter directory."""
+    ckpts = _checkpoints(workdir)
+    if not ckpts:
+        raise FileNotFoundError(f"no checkpoint under {workdir / CKPT_DIR}")
+    from transformers import AutoConfig
+
+    shape = DrafterShape.from_target(AutoConfig.from_pretrained(target_dir),
+                                     num_layers=config.num_layers,
+                                     target_layer_ids=config.target_layer_ids,
+                                     mask_token_id=config.mask_token_id,
+                                     block_size=config.block_size)
+    model = DFlashDrafter(shape)
+    state = torch.load(ckpts[-1], weights_only=False)
+    model.load_state_dict(state["model"])
+    model.export(out_dir, extra_files={
+        "train_config.json": json.dumps({**config.__dict__, "exported_step": state["step"]},
+                                        indent=2) + "\n"})
+    return out_dir
