@@ -62,7 +62,8 @@ class StepTimers:
     Wrapped on the engine's runner instance (the engine runs in-process; ddtree
     swaps the runner's class, so instance attributes are the one place that sees
     the outermost override): ``execute_model`` + ``sample_tokens`` = the step;
-    ``_model_forward`` (target forward); ``_sample`` (sampling, commit included for
+    ``_model_forward`` + the target's ``compute_logits`` (target forward, LM head
+    included); ``_sample`` (sampling, commit included for
     ddtree); ``propose_draft_token_ids`` (drafting, tree build included). The
     ddtree pieces (module functions and classes, wrapped once):
     ``build_ddtree`` (proposer), the tree stash, re-attaching trees to scheduled
@@ -108,6 +109,7 @@ class StepTimers:
                           ("_model_forward", "forward"), ("_sample", "sample"),
                           ("propose_draft_token_ids", "propose")):
             self.wrap(model_runner, name, key)
+        self.wrap(model_runner.model, "compute_logits", "logits")
 
     def install(self) -> None:
         from vllm_ddtree.vllm_adapter import attn_context, proposer, runner, step
@@ -126,7 +128,7 @@ class StepTimers:
         parts = {
             "draft": t["propose"] - t["tree_build"] - t["tree_stash"],
             "tree": tree,
-            "target_forward": t["forward"],
+            "target_forward": t["forward"] + t["logits"],
             "sampling": t["sample"] - t["commit"],
             "commit": t["commit"],
         }
@@ -327,7 +329,7 @@ def report(out_dir: Path, tag: str, info: dict, rows: list[dict], identity: dict
                     f"| {r['method']} | {fmt(tau, 2)} | "
                     f"{fmt(tau / chain['tau'], 2) + 'x' if tau and chain and chain['tau'] else '-'} | "
                     f"{r['tokens_per_s']:.2f} | "
-                    f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                    + (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | " if base else "- | ")
                     + (f"{r['tokens_per_s'] / chain['tokens_per_s']:.2f}x" if chain else "-")
                     + " | " + " | ".join(fmt(r["per_dataset_tau"][d], 2) for d in datasets)
                     + " | " + " | ".join(f"{100 * r['split_s'][s] / total:.1f}" for s in SECTIONS)

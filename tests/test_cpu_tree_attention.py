@@ -352,6 +352,24 @@ def test_tree_rows_match_dense_reference(dtype, block_size, head_dim, atol):
     assert stash.key.data_ptr() != sc.key.data_ptr()
 
 
+def test_chain_rows_keep_the_stock_kernel_output():
+    """Rows that see exactly the block rows before them (a chain; a tree's spine) are
+    not recomputed: their output is the stock causal kernel's, bit for bit."""
+    sc = Scenario(torch.float32, 32, 64, REQS, seed=3)
+    sizes = [t for t in sc.tree_sizes if t]
+    chains = [[-1] + list(range(t - 1)) for t in sizes]
+    tokens = [[1] * t for t in sizes]
+    sc.tree = tree_from_parents(chains, tokens, max_depth=max(sizes) - 1)
+    stock_out, _ = sc.run(make_impl(CPUAttentionBackendImpl, 64))
+    batch = sc.tree_batch()
+    tree_out, _ = sc.run(make_impl(DDTreeCPUAttentionImpl, 64), batch=batch)
+    assert torch.equal(tree_out, stock_out)
+    ref = sc.reference_tree_rows()
+    assert max((tree_out[i].double() - ref[i]).abs().max().item() for i in ref) <= 1e-5
+    (stash,) = batch.stash.values()  # the commit still gets every tree row's K/V
+    assert torch.equal(stash.batch_rows, torch.tensor(sc.tree_rows()))
+
+
 def test_from_block_starts_matches_explicit_batch():
     sc = Scenario(torch.float32, 32, 64, REQS, seed=3)
     # One tree row per batch request (a root-only row for the prefill chunk).

@@ -179,19 +179,54 @@ def packed_layout(
     return layout
 
 
+_KINDS: dict[tuple, tuple[torch.Tensor, str]] = {}
+
+
+def _kind(index: torch.Tensor, block_size: int, head_dim: int) -> str:
+    """"plain", "transposed" (plain (t, d) at packed d * block_size + t) or "other".
+
+    Memoized per index tensor (layouts are cached, so the same tensors recur); the
+    entry holds the tensor, so its address cannot be reused by another one.
+    """
+    key = (index.data_ptr(), block_size, head_dim)
+    hit = _KINDS.get(key)
+    kind = hit[1] if hit is not None else None
+    if kind is None:
+        t = torch.arange(block_size).view(block_size, 1)
+        d = torch.arange(head_dim).view(1, head_dim)
+        if torch.equal(index, (t * head_dim + d).reshape(-1)):
+            kind = "plain"
+        elif torch.equal(index, (d * block_size + t).reshape(-1)):
+            kind = "transposed"
+        else:
+            kind = "other"
+        _KINDS[key] = (index, kind)
+    return kind
+
+
 def _unpack(kv_cache, block_ids, k_index, v_index):
     num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
     head_dim = two_d // 2
     n = block_size * head_dim
     blocks = kv_cache.index_select(0, block_ids).view(-1, num_kv_heads, 2, n)
-    k = blocks[:, :, 0].index_select(-1, k_index)
-    v = blocks[:, :, 1].index_select(-1, v_index)
+    k_packed, v_packed = blocks[:, :, 0], blocks[:, :, 1]
 
-    def tokens_major(x):  # [nb, Hkv, bs * D] -> [nb * bs, Hkv, D]
+    def plain_tokens_major(x):  # [nb, Hkv, bs * D] in (t, d) order -> [nb * bs, Hkv, D]
         x = x.view(-1, num_kv_heads, block_size, head_dim).transpose(1, 2)
         return x.reshape(-1, num_kv_heads, head_dim)
 
-    return tokens_major(k), tokens_major(v)
+    def unpack(x, index):
+        # The layouts the probe finds today (every ISA: K as [D, bs], V plain) are a
+        # transpose or nothing: strided copies, no gather.
+        kind = _kind(index, block_size, head_dim)
+        if kind == "plain":
+            return plain_tokens_major(x)
+        if kind == "transposed":
+            x = x.view(-1, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+            return x.reshape(-1, num_kv_heads, head_dim)
+        return plain_tokens_major(x.index_select(-1, index))
+
+    return unpack(k_packed, k_index), unpack(v_packed, v_index)
 
 
 def unpack_blocks(
@@ -237,7 +272,11 @@ class _ForwardPlan:
         num_reqs = len(qsl) - 1
         num_actual = int(metadata.num_actual_tokens)
         self.metadata = metadata  # keeps id(metadata) unique while cached
-        self.entries = []  # (first batch row, T, nc, block ids, mask [T, nc + T])
+        # (first batch row, T, nc, block ids, rows to recompute [F], their mask
+        # [F, nc + T]). A row that sees exactly the block rows before it (the
+        # chain's rows, and a tree's leading spine) already has its exact output
+        # from the stock causal kernel; only the others are recomputed.
+        self.entries = []
         rows = []
         for req in batch.requests:
             r, t, nc = req.req_index, req.num_rows, req.prefix_len
@@ -260,10 +299,14 @@ class _ForwardPlan:
                     f"rows {q_len}, offset {req.row_offset})"
                 )
             ids = metadata.block_table[r, : -(-nc // block_size)].to(torch.int64).clone()
-            mask = torch.cat(
-                [torch.ones(t, nc, dtype=torch.bool), req.visibility.to("cpu")], dim=1
-            )
-            self.entries.append((q0, t, nc, ids, mask))
+            visibility = req.visibility.to("cpu")
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            fix = torch.nonzero((visibility != causal).any(dim=1)).flatten()
+            if fix.numel():
+                mask = torch.cat(
+                    [torch.ones(fix.numel(), nc, dtype=torch.bool), visibility[fix]], dim=1
+                )
+                self.entries.append((q0, t, nc, ids, fix, mask))
             rows.append(torch.arange(q0, q0 + t, dtype=torch.int64))
         self.rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
 
@@ -351,8 +394,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         q_all = query.view(query.shape[0], num_heads, head_dim)
         out_all = output.view(output.shape[0], num_heads, -1)
         k_index = v_index = None
-        for q0, t, nc, block_ids, mask in plan.entries:
-            q = q_all[q0 : q0 + t].transpose(0, 1).float()  # [H, T, D]
+        for q0, t, nc, block_ids, fix, mask in plan.entries:
+            q = q_all[q0 + fix].transpose(0, 1).float()  # [H, F, D]
             k_tree = key[q0 : q0 + t]
             v_tree = value[q0 : q0 + t]
             if nc > 0:
@@ -369,11 +412,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 q,
                 k_seq.transpose(0, 1).float(),  # [Hkv, nc + T, D]
                 v_seq.transpose(0, 1).float(),
-                attn_mask=mask,  # [T, nc + T] bool, True = attend
+                attn_mask=mask,  # [F, nc + T] bool, True = attend
                 scale=self.scale,
                 enable_gqa=num_heads != self.num_kv_heads,
             )
-            out_all[q0 : q0 + t] = o.transpose(0, 1).to(out_all.dtype)
+            out_all[q0 + fix] = o.transpose(0, 1).to(out_all.dtype)
         if batch.stash_kv and plan.rows.numel():
             name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
             batch.stash[name] = attn_context.LayerKVStash(
