@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-every-nth-seq", type=int, default=50,
                    help="sequence i is held out for evaluation when i %% N == 0")
+    p.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
+                   help="forward precision (fp32 master weights either way)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--seed", type=int, default=0)
     return p

@@ -16,6 +16,7 @@ accuracies and the greedy chain acceptance length).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -52,6 +53,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     min_lr_ratio: float = 0.1
     val_every_nth_seq: int = 50  # sequence i is held out when i % this == 0
+    # bf16 autocast of the forward (fp32 master weights, fp32 loss): 2-4x faster
+    # steps on this CPU (measured 2.1 s vs 4-10 s per 8 x 8-block step).
+    autocast: str = "bf16"
 
     @classmethod
     def from_args(cls, args) -> TrainConfig:
@@ -60,7 +64,7 @@ class TrainConfig:
             block_size=args.block_size, mask_token_id=args.mask_token_id, steps=args.steps,
             seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
             loss_decay=args.loss_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-            seed=args.seed, val_every_nth_seq=args.val_every_nth_seq)
+            seed=args.seed, val_every_nth_seq=args.val_every_nth_seq, autocast=args.autocast)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -136,6 +140,14 @@ def make_batch(
     }
 
 
+def _autocast(config_autocast: str, device: torch.device):
+    if config_autocast == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if config_autocast in ("none", "fp32"):
+        return contextlib.nullcontext()
+    raise ValueError(f"autocast must be 'bf16' or 'none', got {config_autocast!r}")
+
+
 def drafter_logits(model: DFlashDrafter, embed: torch.Tensor, batch: dict) -> torch.Tensor:
     """[S, A, bs-1, V] logits of the mask slots."""
     s, a = batch["bonus"].shape
@@ -155,14 +167,15 @@ def position_weights(block_size: int, decay: float, device) -> torch.Tensor:
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none",
+    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none",
                          ignore_index=-100).view(labels.shape)
     w = weights * (labels >= 0)
     return (ce * w).sum() / w.sum().clamp(min=1e-6)
 
 
 @torch.no_grad()
-def evaluate(model, embed, index, feats, tokens, val_ids, block_size, device) -> dict:
+def evaluate(model, embed, index, feats, tokens, val_ids, block_size, device,
+             autocast: str = "none") -> dict:
     """Held-out position accuracy and greedy chain acceptance (1 + accepted drafts)."""
     model.eval()
     correct = torch.zeros(block_size - 1)
@@ -171,7 +184,8 @@ def evaluate(model, embed, index, feats, tokens, val_ids, block_size, device) ->
     for start in range(0, len(val_ids), 4):
         batch = make_batch(index, feats, tokens, val_ids[start:start + 4], 16, block_size,
                            None, device)
-        pred = drafter_logits(model, embed, batch).argmax(-1).cpu()
+        with _autocast(autocast, torch.device(device)):
+            pred = drafter_logits(model, embed, batch).argmax(-1).cpu()
         labels = batch["labels"].cpu()
         valid = labels >= 0
         hit = (pred == labels) & valid
@@ -235,7 +249,8 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
     log = (workdir / LOG).open("a")
     if step == 0:
         log.write(json.dumps({"step": 0, **evaluate(model, head.embed, index, feats, tokens,
-                                                    val_ids, config.block_size, device)}) + "\n")
+                                                    val_ids, config.block_size, device,
+                                                    config.autocast)}) + "\n")
         log.flush()
     bar = tqdm(total=config.steps, initial=step, desc="train", unit="step", mininterval=30)
     while step < config.steps:
@@ -245,7 +260,9 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
                            config.block_size, rng, device)
         for g in opt.param_groups:
             g["lr"] = config.lr_at(step)
-        loss = loss_fn(drafter_logits(model, head.embed, batch), batch["labels"], weights)
+        with _autocast(config.autocast, device):
+            logits = drafter_logits(model, head.embed, batch)
+        loss = loss_fn(logits, batch["labels"], weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(opt_params, 1.0)
@@ -256,7 +273,7 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
                "predictions": int((batch["labels"] >= 0).sum())}
         if step % config.eval_every == 0 or step == config.steps:
             row.update(evaluate(model, head.embed, index, feats, tokens, val_ids,
-                                config.block_size, device))
+                                config.block_size, device, config.autocast))
         log.write(json.dumps(row) + "\n")
         log.flush()
         bar.set_postfix(loss=row["loss"], refresh=False)
