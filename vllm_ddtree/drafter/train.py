@@ -75,7 +75,7 @@ class TrainConfig:
 
 
 class TargetHead:
-    """The target's frozen token embeddings (= tied LM head)."""
+    """The target's frozen token embeddings and LM head (the drafter shares both)."""
 
     def __init__(self, target_dir: str, device: torch.device):
         from transformers import AutoModelForCausalLM
@@ -83,6 +83,7 @@ class TargetHead:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         self.config = model.config
         self.embed = model.model.embed_tokens.weight.detach().to(device)  # [V, H]
+        self.lm_head = model.get_output_embeddings().weight.detach().to(device)  # [V, H]
         self.model = model  # kept for init_from_target; freed by the caller
 
 
@@ -148,8 +149,9 @@ def _autocast(config_autocast: str, device: torch.device):
     raise ValueError(f"autocast must be 'bf16' or 'none', got {config_autocast!r}")
 
 
-def drafter_logits(model: DFlashDrafter, embed: torch.Tensor, batch: dict) -> torch.Tensor:
-    """[S, A, bs-1, V] logits of the mask slots."""
+def drafter_logits(model: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
+                   batch: dict) -> torch.Tensor:
+    """[S, A, bs-1, V] logits of the mask slots (``embed``, ``lm_head``: [V, H])."""
     s, a = batch["bonus"].shape
     bs = model.shape.block_size
     ctx = model.context_kv(batch["features"].float(), batch["context_positions"])
@@ -158,7 +160,7 @@ def drafter_logits(model: DFlashDrafter, embed: torch.Tensor, batch: dict) -> to
                        model.mask_embedding.expand(s, a, bs - 1, -1)], dim=2)
     hidden = model(block.reshape(s, a * bs, -1), batch["query_positions"], ctx, batch["mask"])
     hidden = hidden.reshape(s, a, bs, -1)[:, :, 1:]
-    return hidden @ embed.T
+    return hidden @ lm_head.T
 
 
 def position_weights(block_size: int, decay: float, device) -> torch.Tensor:
@@ -174,7 +176,7 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -
 
 
 @torch.no_grad()
-def evaluate(model, embed, index, feats, tokens, val_ids, block_size, device,
+def evaluate(model, embed, lm_head, index, feats, tokens, val_ids, block_size, device,
              autocast: str = "none") -> dict:
     """Held-out position accuracy and greedy chain acceptance (1 + accepted drafts)."""
     model.eval()
@@ -185,7 +187,7 @@ def evaluate(model, embed, index, feats, tokens, val_ids, block_size, device,
         batch = make_batch(index, feats, tokens, val_ids[start:start + 4], 16, block_size,
                            None, device)
         with _autocast(autocast, torch.device(device)):
-            pred = drafter_logits(model, embed, batch).argmax(-1).cpu()
+            pred = drafter_logits(model, embed, lm_head, batch).argmax(-1).cpu()
         labels = batch["labels"].cpu()
         valid = labels >= 0
         hit = (pred == labels) & valid
@@ -248,7 +250,7 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
     weights = position_weights(config.block_size, config.loss_decay, device)
     log = (workdir / LOG).open("a")
     if step == 0:
-        log.write(json.dumps({"step": 0, **evaluate(model, head.embed, index, feats, tokens,
+        log.write(json.dumps({"step": 0, **evaluate(model, head.embed, head.lm_head, index, feats, tokens,
                                                     val_ids, config.block_size, device,
                                                     config.autocast)}) + "\n")
         log.flush()
@@ -261,7 +263,7 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
         for g in opt.param_groups:
             g["lr"] = config.lr_at(step)
         with _autocast(config.autocast, device):
-            logits = drafter_logits(model, head.embed, batch)
+            logits = drafter_logits(model, head.embed, head.lm_head, batch)
         loss = loss_fn(logits, batch["labels"], weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -272,7 +274,7 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
                "grad_norm": round(grad_norm.item(), 3), "s": round(time.perf_counter() - t0, 3),
                "predictions": int((batch["labels"] >= 0).sum())}
         if step % config.eval_every == 0 or step == config.steps:
-            row.update(evaluate(model, head.embed, index, feats, tokens, val_ids,
+            row.update(evaluate(model, head.embed, head.lm_head, index, feats, tokens, val_ids,
                                 config.block_size, device, config.autocast))
         log.write(json.dumps(row) + "\n")
         log.flush()

@@ -10,6 +10,14 @@ per process by the ``vllm.general_plugins`` entry point.
 * P3 ``GPUModelRunner.__init__``: when ddtree is on, swap in the DDTree runner
   mixin and the :class:`DDTreeProposer` (worker process; covers CPUModelRunner).
 * P4 the ``CPU_ATTN`` attention backend: ancestor-only attention inside trees.
+* P5 request validation (refused sampling features, at request time).
+* P6 (CPU only) a vLLM 0.32 bug fix for every DFlash drafter, ddtree or not:
+  ``DFlashQwen3Model._normalize_context_k`` normalizes all layers' context keys
+  with one ``ops.rms_norm`` call and a stacked ``[num_layers, head_dim]`` weight;
+  the CPU op applies row 0 (layer 0's ``k_norm``) to every layer, so layers >= 1
+  see wrongly normalized context keys (found by tests/test_drafter_model.py:
+  max logit error 0.43 on a 2-layer drafter). The CUDA op selects the row per
+  layer; on CPU the fix normalizes per layer in torch.
 
 Every target is private vLLM API, so :func:`install` refuses other versions.
 """
@@ -27,7 +35,7 @@ _installed = False
 
 
 def install() -> None:
-    """Installs P1-P4 (idempotent)."""
+    """Installs P1-P6 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -54,7 +62,26 @@ def install() -> None:
 
     register_tree_attention_backend()
     _wrap_request_validation()
+    _fix_cpu_dflash_context_k_norm()
     _installed = True
+
+
+def _fix_cpu_dflash_context_k_norm() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import torch
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    def _normalize_context_k(self, all_k):
+        # all_k: [num_layers, num_ctx, num_kv_heads, head_dim]; one k_norm per layer.
+        x = all_k.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self._rms_norm_eps)
+        weight = self._k_norm_weights[:, None, None, :]
+        return (x.to(all_k.dtype) * weight).to(all_k.dtype)
+
+    DFlashQwen3Model._normalize_context_k = _normalize_context_k
 
 
 def _wrap_create_speculative_config(orig):
