@@ -109,7 +109,9 @@ def test_drafter_checkpoint_layout(ckpts):
     assert cfg["hidden_size"] == tcfg["hidden_size"]
     assert cfg["vocab_size"] == tcfg["vocab_size"]
     assert cfg["block_size"] == 8
-    assert cfg["dflash_config"] == {"mask_token_id": tm.MASK_TOKEN_ID, "target_layer_ids": [1, 2]}
+    assert cfg["dflash_config"] == {"mask_token_id": tm.MASK_TOKEN_ID,
+                                    "target_layer_ids": [1, 2], "block_size": 8}
+    assert not Path(drafter, "mask_embedding.pt").exists()  # the target's <|MASK|> row
     with safe_open(str(Path(drafter, "model.safetensors")), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert not any(k.startswith("model.") or "embed" in k or "lm_head" in k for k in shapes)

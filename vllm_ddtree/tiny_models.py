@@ -403,7 +403,6 @@ def make_dflash_drafter(
         ``str(path)``.
     """
     from safetensors import safe_open
-    from transformers import Qwen3Config
 
     if kind not in ("random", "oracle"):
         raise ValueError(f"drafter kind must be 'random' or 'oracle', got {kind!r}")
@@ -436,35 +435,24 @@ def make_dflash_drafter(
             f"got {target_layer_ids}"
         )
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    rope = tcfg.get("rope_parameters") or {
-        "rope_type": "default",
-        "rope_theta": tcfg.get("rope_theta", 10000.0),
-    }
-    config = Qwen3Config(
-        architectures=["DFlashDraftModel"],
-        vocab_size=vocab_size,
+    from vllm_ddtree.drafter.model import DFlashDrafter, DrafterShape
+
+    rope = tcfg.get("rope_parameters") or {}
+    shape = DrafterShape(
         hidden_size=hidden,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        hidden_act="silu",
-        max_position_embeddings=tcfg.get("max_position_embeddings", 4096),
+        intermediate_size=intermediate_size,
         rms_norm_eps=tcfg.get("rms_norm_eps", 1e-6),
-        rope_parameters=dict(rope),
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=EOS_TOKEN_ID,
-        pad_token_id=EOS_TOKEN_ID,
-        dtype=dtype,
+        rope_theta=float(rope.get("rope_theta", tcfg.get("rope_theta", 10000.0))),
+        target_layer_ids=tuple(target_layer_ids),
+        mask_token_id=mask_token_id,
         block_size=block_size,
-        num_target_layers=n_target,
-        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
+        vocab_size=vocab_size,
+        max_position_embeddings=tcfg.get("max_position_embeddings", 4096),
     )
-    config.save_pretrained(str(path))
 
     g = torch.Generator().manual_seed(seed)
     q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
@@ -499,7 +487,12 @@ def make_dflash_drafter(
             for name in ("gate_proj", "up_proj", "down_proj"):
                 sd[p + f"mlp.{name}.weight"].zero_()
 
-    _save_safetensors(path / "model.safetensors", sd, torch_dtype)
+    # One checkpoint writer for the format (the trained drafter's); the mask slots
+    # use the target's embedding of the tokenizer's <|MASK|> token.
+    model = DFlashDrafter(shape)
+    model.load_state_dict({**sd, "mask_embedding": torch.zeros(hidden)})
+    path = Path(path)
+    model.export(path, dtype=torch_dtype, mask_embedding=False)
     write_tokenizer(path, vocab_size)
     return str(path)
 

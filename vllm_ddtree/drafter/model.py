@@ -69,8 +69,14 @@ class DrafterShape:
             max_position_embeddings=target_config.max_position_embeddings,
         )
 
-    def hf_config(self) -> dict:
-        """The drafter's ``config.json`` as vLLM 0.32's DFlash loader reads it."""
+    def hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict:
+        """The drafter's ``config.json`` as vLLM 0.32's DFlash loader reads it.
+
+        ``block_size`` is stored at the top level (vLLM 0.32 reads neither copy;
+        the ddtree adapter derives its default draft length from it) and in
+        ``dflash_config`` (newer z-lab schema). No embeddings or LM head: vLLM
+        shares the target's.
+        """
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -83,11 +89,12 @@ class DrafterShape:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": False,
             "attention_bias": False,
-            "torch_dtype": "bfloat16",
+            "torch_dtype": str(dtype).removeprefix("torch."),
             "block_size": self.block_size,
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
@@ -240,18 +247,26 @@ class DFlashDrafter(nn.Module):
 
     # ----------------------------------------------------------------------- #
     def export(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-               extra_files: dict[str, str] | None = None) -> None:
-        """Writes the vLLM checkpoint directory (config, safetensors, mask embedding)."""
+               extra_files: dict[str, str] | None = None,
+               mask_embedding: bool = True) -> None:
+        """Writes the vLLM checkpoint directory (config, safetensors, mask embedding).
+
+        ``mask_embedding=False`` leaves out ``mask_embedding.pt``: the mask slots
+        then use the target's embedding of ``mask_token_id``.
+        """
         from safetensors.torch import save_file
 
+        out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         tensors = {name: p.detach().to(dtype).contiguous() for name, p in self.named_parameters()
                    if name != "mask_embedding"}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        torch.save({"mask_token_id": self.shape.mask_token_id,
-                    "embedding": self.mask_embedding.detach().to(dtype).clone()},
-                   out_dir / "mask_embedding.pt")
-        (out_dir / "config.json").write_text(json.dumps(self.shape.hf_config(), indent=2) + "\n")
+        if mask_embedding:
+            torch.save({"mask_token_id": self.shape.mask_token_id,
+                        "embedding": self.mask_embedding.detach().to(dtype).clone()},
+                       out_dir / "mask_embedding.pt")
+        (out_dir / "config.json").write_text(
+            json.dumps(self.shape.hf_config(dtype), indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (out_dir / name).write_text(text)
 
