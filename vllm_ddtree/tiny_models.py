@@ -64,10 +64,12 @@ Recommended in-process vLLM settings for these models:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal, Sequence
 
 import torch
@@ -437,21 +439,14 @@ def make_dflash_drafter(
 
     from vllm_ddtree.drafter.model import DFlashDrafter, DrafterShape
 
-    rope = tcfg.get("rope_parameters") or {}
-    shape = DrafterShape(
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+    # The target-derived fields (rope, eps, positions, vocab) as for the trained
+    # drafter; the head layout may be overridden.
+    shape = dataclasses.replace(
+        DrafterShape.from_target(SimpleNamespace(**tcfg), num_layers=num_layers,
+                                 target_layer_ids=target_layer_ids,
+                                 mask_token_id=mask_token_id, block_size=block_size),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         intermediate_size=intermediate_size,
-        rms_norm_eps=tcfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", tcfg.get("rope_theta", 10000.0))),
-        target_layer_ids=tuple(target_layer_ids),
-        mask_token_id=mask_token_id,
-        block_size=block_size,
-        vocab_size=vocab_size,
-        max_position_embeddings=tcfg.get("max_position_embeddings", 4096),
     )
 
     g = torch.Generator().manual_seed(seed)

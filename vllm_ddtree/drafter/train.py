@@ -209,8 +209,8 @@ def _checkpoints(workdir: Path) -> list[Path]:
     return sorted(d.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1])) if d.is_dir() else []
 
 
-def _new_model(head: TargetHead, config: TrainConfig) -> DFlashDrafter:
-    shape = DrafterShape.from_target(head.config, num_layers=config.num_layers,
+def _new_model(target_config, config: TrainConfig) -> DFlashDrafter:
+    shape = DrafterShape.from_target(target_config, num_layers=config.num_layers,
                                      target_layer_ids=config.target_layer_ids,
                                      mask_token_id=config.mask_token_id,
                                      block_size=config.block_size)
@@ -226,7 +226,7 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
         raise ValueError(f"features have layers {index.target_layer_ids}, config "
                          f"{config.target_layer_ids}")
     head = TargetHead(target_dir, device)
-    model = _new_model(head, config)
+    model = _new_model(head.config, config)
     n = len(index.ids)
     val_ids = [i for i in range(n) if i % config.val_every_nth_seq == 0][:64]
     train_ids = [i for i in range(n) if i % config.val_every_nth_seq != 0]
@@ -304,12 +304,7 @@ def export_latest(workdir: Path, target_dir: str, config: TrainConfig, out_dir: 
         raise FileNotFoundError(f"no checkpoint under {workdir / CKPT_DIR}")
     from transformers import AutoConfig
 
-    shape = DrafterShape.from_target(AutoConfig.from_pretrained(target_dir),
-                                     num_layers=config.num_layers,
-                                     target_layer_ids=config.target_layer_ids,
-                                     mask_token_id=config.mask_token_id,
-                                     block_size=config.block_size)
-    model = DFlashDrafter(shape)
+    model = _new_model(AutoConfig.from_pretrained(target_dir), config)
     state = torch.load(ckpts[-1], weights_only=False)
     model.load_state_dict(state["model"])
     model.export(out_dir, extra_files={

@@ -5,13 +5,16 @@
 metadata and KV-cache write). Its impl runs the stock kernel for the whole batch,
 then, only while a tree-attention batch is active (``attn_context``, set by the
 runner around the target forward) and only for decoder self-attention layers,
-recomputes every tree row with torch SDPA over
+recomputes the tree rows whose ancestors are not exactly the block rows before
+them (a chain's rows and a tree's leading spine are already exact) with softmax
+attention over
 
-    [committed prefix K/V, read from the paged cache ; the tree block's own K/V]
+    [committed prefix K/V ; the tree block's own K/V], both read from the paged cache
 
-with the mask ``[ones(T, nc) | visibility]``, and stashes the tree K/V for the
-commit. Everything else (prefill, plain decode, the drafter's non-causal pass,
-non-tree rows of a verify batch) is the stock kernel's output, bit for bit.
+with the additive mask ``[zeros(F, nc) | -inf where not visible]``, and stashes
+the tree K/V for the commit. Everything else (prefill, plain decode, the drafter's
+non-causal pass, non-tree rows of a verify batch) is the stock kernel's output,
+bit for bit.
 
 Why recompute: the kernel takes only causal / sliding window / alibi / softcap /
 sinks, no mask, and returns no log-sum-exp, so its prefix part cannot be merged
@@ -179,54 +182,19 @@ def packed_layout(
     return layout
 
 
-_KINDS: dict[tuple, tuple[torch.Tensor, str]] = {}
-
-
-def _kind(index: torch.Tensor, block_size: int, head_dim: int) -> str:
-    """"plain", "transposed" (plain (t, d) at packed d * block_size + t) or "other".
-
-    Memoized per index tensor (layouts are cached, so the same tensors recur); the
-    entry holds the tensor, so its address cannot be reused by another one.
-    """
-    key = (index.data_ptr(), block_size, head_dim)
-    hit = _KINDS.get(key)
-    kind = hit[1] if hit is not None else None
-    if kind is None:
-        t = torch.arange(block_size).view(block_size, 1)
-        d = torch.arange(head_dim).view(1, head_dim)
-        if torch.equal(index, (t * head_dim + d).reshape(-1)):
-            kind = "plain"
-        elif torch.equal(index, (d * block_size + t).reshape(-1)):
-            kind = "transposed"
-        else:
-            kind = "other"
-        _KINDS[key] = (index, kind)
-    return kind
-
-
 def _unpack(kv_cache, block_ids, k_index, v_index):
     num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
     head_dim = two_d // 2
     n = block_size * head_dim
     blocks = kv_cache.index_select(0, block_ids).view(-1, num_kv_heads, 2, n)
-    k_packed, v_packed = blocks[:, :, 0], blocks[:, :, 1]
+    k = blocks[:, :, 0].index_select(-1, k_index)
+    v = blocks[:, :, 1].index_select(-1, v_index)
 
-    def plain_tokens_major(x):  # [nb, Hkv, bs * D] in (t, d) order -> [nb * bs, Hkv, D]
+    def tokens_major(x):  # [nb, Hkv, bs * D] -> [nb * bs, Hkv, D]
         x = x.view(-1, num_kv_heads, block_size, head_dim).transpose(1, 2)
         return x.reshape(-1, num_kv_heads, head_dim)
 
-    def unpack(x, index):
-        # The layouts the probe finds today (every ISA: K as [D, bs], V plain) are a
-        # transpose or nothing: strided copies, no gather.
-        kind = _kind(index, block_size, head_dim)
-        if kind == "plain":
-            return plain_tokens_major(x)
-        if kind == "transposed":
-            x = x.view(-1, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
-            return x.reshape(-1, num_kv_heads, head_dim)
-        return plain_tokens_major(x.index_select(-1, index))
-
-    return unpack(k_packed, k_index), unpack(v_packed, v_index)
+    return tokens_major(k), tokens_major(v)
 
 
 def unpack_blocks(
@@ -272,8 +240,8 @@ class _ForwardPlan:
         num_reqs = len(qsl) - 1
         num_actual = int(metadata.num_actual_tokens)
         self.metadata = metadata  # keeps id(metadata) unique while cached
-        # (first batch row, T, nc, block ids of positions 0 .. nc + T - 1, rows to
-        # recompute [F], their additive mask [F, nc + T] (0 = attend, -inf = not)).
+        # (batch rows to recompute [F], T, nc, block ids of positions 0 .. nc + T - 1,
+        # their additive mask [F, nc + T] (0 = attend, -inf = not)).
         # A row that sees exactly the block rows before it (the chain's rows, and
         # a tree's leading spine) already has its exact output from the stock
         # causal kernel; only the others are recomputed.
@@ -307,7 +275,7 @@ class _ForwardPlan:
             if fix.numel():
                 bias = torch.zeros(fix.numel(), nc + t, dtype=torch.float32)
                 bias[:, nc:].masked_fill_(~visibility[fix], float("-inf"))
-                self.entries.append((q0, t, nc, ids, fix, bias))
+                self.entries.append((q0 + fix, t, nc, ids, bias))
             rows.append(torch.arange(q0, q0 + t, dtype=torch.int64))
         self.rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
 
@@ -326,7 +294,7 @@ class _ForwardPlan:
         region = block_size * head_dim
         heads = torch.arange(num_kv_heads).view(-1, 1, 1)
         out = []
-        for _, t, nc, ids, _, _ in self.entries:
+        for _, t, nc, ids, _ in self.entries:
             pos = torch.arange(nc + t)
             plain = (pos % block_size).view(-1, 1) * head_dim + torch.arange(head_dim)
             base = (ids[pos // block_size].view(1, -1, 1) * num_kv_heads + heads) * 2 * region
@@ -420,19 +388,19 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         out_all = output.view(output.shape[0], num_heads, -1)
         flat_cache = kv_cache.reshape(-1)  # a view: per-layer caches are contiguous
         indices = plan.gather_indices(kv_cache, isa) if plan.entries else []
-        for (q0, t, nc, _, fix, bias), index in zip(plan.entries, indices):
+        for (rows_fixed, _, _, _, bias), index in zip(plan.entries, indices):
             # [2, Hkv, nc + t, D]: K and V of the committed prefix and the tree
             # block in one gather from the paged, ISA-packed cache.
             kv = flat_cache.index_select(0, index.view(-1)).view(index.shape).float()
             # Plain softmax attention, GQA by grouping query heads per KV head:
             # about 2x faster than torch SDPA with a mask at these sizes on CPU.
-            rows = fix.numel()
-            q = q_all[q0 + fix].float().transpose(0, 1).reshape(num_kv_heads, group * rows, -1)
+            rows = rows_fixed.numel()
+            q = q_all[rows_fixed].float().transpose(0, 1).reshape(num_kv_heads, group * rows, -1)
             scores = torch.bmm(q, kv[0].transpose(1, 2)).mul_(self.scale)
             scores = scores.view(num_kv_heads, group, rows, -1).add_(bias)
             probs = torch.softmax(scores.view(num_kv_heads, group * rows, -1), dim=-1)
             o = torch.bmm(probs, kv[1]).view(num_heads, rows, head_dim)
-            out_all[q0 + fix] = o.transpose(0, 1).to(out_all.dtype)
+            out_all[rows_fixed] = o.transpose(0, 1).to(out_all.dtype)
         if batch.stash_kv and plan.rows.numel():
             name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
             batch.stash[name] = attn_context.LayerKVStash(
