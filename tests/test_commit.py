@@ -38,7 +38,7 @@ def test_moves_put_paths_first(method):
         rows = torch.randn(total, 3)  # stands for one layer's K (or V, or hidden) rows
 
         in_place = rows.clone()
-        for s, d in zip(plan.src_rows.tolist(), plan.dst_rows.tolist()):
+        for s, d in zip(plan.src_rows.tolist(), plan.dst_rows.tolist(), strict=True):
             in_place[d] = in_place[s]  # increasing depth order: race-free
         gathered = rows.index_select(0, plan.hidden_perm)
         scattered = rows.clone()
@@ -53,7 +53,9 @@ def test_moves_put_paths_first(method):
         moved = plan.moved().view(tree.num_reqs, -1)
         for b in range(tree.num_reqs):
             acc = out.accepted_indices[b]
-            identity = all(int(acc[j]) == j for j in range(int(out.num_accepted[b]) + 1))
+            identity = all(
+                int(acc[j]) == j for j in range(int(out.num_accepted[b]) + 1)
+            )
             assert bool(moved[b].any()) != identity
 
 

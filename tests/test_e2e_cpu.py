@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """ddtree inside vLLM 0.32 on CPU: lossless greedy generation, non-vacuous trees.
 
-Tiny models are written at test time (vllm_ddtree.tiny_models). The engine runs
-in-process (tests/conftest.py). Three drafter regimes:
+Tiny models are written at test time
+(vllm_ddtree.tiny_models). The engine runs in-process (see conftest.py).
+Three drafter regimes:
 
 * random drafter: almost nothing is accepted; output must still be identical;
 * oracle pair: the target repeats its last token and the drafter predicts it,
@@ -47,12 +48,22 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def generate(target, prompt_ids, speculative_config=None, **kw):
-    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
-                   disable_log_stats=False, speculative_config=speculative_config,
-                   seed=0, **kw)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                        use_tqdm=False)
+    llm = vllm.LLM(
+        model=target,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+        seed=0,
+        **kw,
+    )
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+    )
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     runner = None
@@ -62,7 +73,9 @@ def generate(target, prompt_ids, speculative_config=None, **kw):
     stats = {
         "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
         "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-        "branch_paths": int(runner.ddtree_num_branch_paths) if runner is not None else 0,
+        "branch_paths": int(runner.ddtree_num_branch_paths)
+        if runner is not None
+        else 0,
     }
     del llm
     return tokens, stats
@@ -82,7 +95,9 @@ def reference(models):
 @pytest.mark.parametrize("budget,batch", [(1, 8), (4, 1), (16, 8), (64, 8)])
 def test_random_drafter_is_lossless(models, reference, budget, batch):
     p, ref = reference
-    out, stats = generate(models["random"][0], p[:batch], ddtree(models["random"][1], budget))
+    out, stats = generate(
+        models["random"][0], p[:batch], ddtree(models["random"][1], budget)
+    )
     assert out == ref["random"][:batch]
     assert stats["drafts"] > 0
 
@@ -97,14 +112,16 @@ def test_oracle_pair_accepts_everything(models, reference):
 
 
 @pytest.mark.parametrize("max_children", [None, 1])
-def test_siblings_are_accepted_and_committed(models, reference, monkeypatch, max_children):
+def test_siblings_are_accepted_and_committed(
+    models, reference, monkeypatch, max_children
+):
     """True continuation at rank 1 of every depth: only a tree can accept it.
 
     ``ddtree_max_children=1`` verifies the argmax chain: it must accept nothing.
     """
     p, ref = reference
     target, drafter = models["random"]
-    full = {tuple(q): q + r for q, r in zip(p, ref["random"])}
+    full = {tuple(q): q + r for q, r in zip(p, ref["random"], strict=True)}
     orig_propose = DDTreeProposer.propose
 
     def scripted_propose(self, num_speculative_tokens, **kw):
@@ -168,7 +185,7 @@ def test_siblings_are_accepted_and_committed(models, reference, monkeypatch, max
         ({"ddtree_verify": "leviathan"}, "ddtree_verify"),
         ({"ddtree_threshold_acc": 0.0}, "ddtree_threshold_acc"),
         ({"ddtree_max_children": 0}, "ddtree_max_children"),
-        ({"model": None}, "needs \"model\""),
+        ({"model": None}, 'needs "model"'),
     ],
 )
 def test_bad_config_fails_at_startup(models, extra, match):
@@ -177,16 +194,27 @@ def test_bad_config_fails_at_startup(models, extra, match):
     if spec.get("model") is None:
         spec.pop("model")
     with pytest.raises(ValueError, match=match):
-        vllm.LLM(model=models["random"][0], dtype="float32", enforce_eager=True,
-                 max_model_len=512, speculative_config=spec)
+        vllm.LLM(
+            model=models["random"][0],
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            speculative_config=spec,
+        )
 
 
 def test_abort_mid_generation_frees_everything(models, reference):
     """An aborted request leaves no KV blocks and no tree state behind."""
     p, ref = reference
     target, drafter = models["oracle"]
-    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
-                   speculative_config=ddtree(drafter, 16), seed=0)
+    llm = vllm.LLM(
+        model=target,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        speculative_config=ddtree(drafter, 16),
+        seed=0,
+    )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -196,8 +224,12 @@ def test_abort_mid_generation_frees_everything(models, reference):
         engine.step()
     assert any("abort-me" in r for r in runner._ddtree_stash._trees)
     engine.abort_request(["abort-me"])
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": q} for q in p[1:3]], params, use_tqdm=False)
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": q} for q in p[1:3]], params, use_tqdm=False
+    )
     assert [list(o.outputs[0].token_ids) for o in outs] == ref["oracle"][1:3]
     assert not any("abort-me" in r for r in runner._ddtree_stash._trees)
     assert core.scheduler.kv_cache_manager.usage == 0.0

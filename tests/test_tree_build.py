@@ -38,7 +38,9 @@ def assert_same_tree(a: DraftTree, b: DraftTree) -> None:
         assert torch.equal(x, y), name
 
 
-def random_logits(seed: int, num_reqs: int, depth: int, vocab: int, kind: str) -> torch.Tensor:
+def random_logits(
+    seed: int, num_reqs: int, depth: int, vocab: int, kind: str
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_reqs, depth, vocab, generator=g) * 3
     if kind == "ties":  # many exactly equal logits and float32 score ties
@@ -88,7 +90,9 @@ def test_random_sweep_vectorized_equals_reference():
         budget = int(rng.integers(0, 60))
         kind = ["random", "ties", "certain"][seed % 3]
         logits = random_logits(seed, num_reqs, depth, vocab, kind)
-        assert_same_tree(build_ddtree(logits, budget), build_ddtree_reference(logits, budget))
+        assert_same_tree(
+            build_ddtree(logits, budget), build_ddtree_reference(logits, budget)
+        )
 
 
 def test_per_request_budgets():
@@ -150,11 +154,15 @@ def test_max_children_limits_ranks_per_depth(max_children):
         for budget in (1, 6, 30, 200):
             fast = build_ddtree(logits, budget, max_children=max_children)
             assert_same_tree(
-                fast, build_ddtree_reference(logits, budget, max_children=max_children))
+                fast, build_ddtree_reference(logits, budget, max_children=max_children)
+            )
             for b in range(2):
                 allowed = logits[b].topk(max_children, dim=-1).indices
-                want = [p for p in brute_force_top(logits[b], 10**6)
-                        if all(t in allowed[i] for i, t in enumerate(p))][:budget]
+                want = [
+                    p
+                    for p in brute_force_top(logits[b], 10**6)
+                    if all(t in allowed[i] for i, t in enumerate(p))
+                ][:budget]
                 assert tree_paths(fast, b) == set(want)
     # K = 1 is the argmax chain.
     chain = build_ddtree(logits, 3, max_children=1)
@@ -183,9 +191,10 @@ def test_tree_invariants():
             assert 0 <= p < i  # parent before child: prefix-closed, topological
             assert tree.depths[b, i] == tree.depths[b, p] + 1
             children.setdefault(p, []).append(i)
-            expected = torch.tensor(tree.scores[b, p].item(), dtype=torch.float32) + lp_full[
-                b, int(tree.depths[b, i]) - 1, int(tree.tokens[b, i])
-            ]
+            expected = (
+                torch.tensor(tree.scores[b, p].item(), dtype=torch.float32)
+                + lp_full[b, int(tree.depths[b, i]) - 1, int(tree.tokens[b, i])]
+            )
             assert torch.isclose(tree.scores[b, i], expected, atol=1e-5)
             assert tree.scores[b, i] <= tree.scores[b, p]
         # Scores are non-increasing in node order (pop order of the heap).
@@ -212,7 +221,9 @@ def test_tree_invariants():
                 node = int(tree.parents[b, node])
                 anc.add(node)
             assert set(tree.visibility[b, i].nonzero().flatten().tolist()) == anc
-        assert torch.equal(tree.retrieve_index[b], b * tree.num_rows + torch.arange(tree.num_rows))
+        assert torch.equal(
+            tree.retrieve_index[b], b * tree.num_rows + torch.arange(tree.num_rows)
+        )
 
 
 def test_packed_visibility_bits():
@@ -239,13 +250,29 @@ def test_position_offsets_are_depths():
         (torch.zeros(1, 2, 3, dtype=torch.int64), 4, "floating-point"),
         (torch.zeros(1, 0, 3), 4, "L >= 1"),
         (torch.tensor([[[0.0, float("nan")]]]), 4, "draft_logits contains NaN"),
-        (torch.tensor([[[0.0, float("inf")]]]), 4, "draft_logits contains NaN or infinite"),
-        (torch.tensor([[[0.0, float("-inf")]]]), 4, "draft_logits contains NaN or infinite"),
+        (
+            torch.tensor([[[0.0, float("inf")]]]),
+            4,
+            "draft_logits contains NaN or infinite",
+        ),
+        (
+            torch.tensor([[[0.0, float("-inf")]]]),
+            4,
+            "draft_logits contains NaN or infinite",
+        ),
         (torch.zeros(1, 2, 3), -1, "budget must be >= 0"),
         (torch.zeros(1, 2, 3), 2.5, "budget must be an int"),
-        (torch.zeros(2, 2, 3), torch.tensor([1, 2, 3]), r"budget must be an int or a \[num_reqs=2\]"),
+        (
+            torch.zeros(2, 2, 3),
+            torch.tensor([1, 2, 3]),
+            r"budget must be an int or a \[num_reqs=2\]",
+        ),
         (torch.zeros(2, 2, 3), torch.tensor([1, -2]), "budget must be >= 0"),
-        (torch.zeros(2, 2, 3), torch.tensor([1.0, 2.0]), "budget must be an integer tensor"),
+        (
+            torch.zeros(2, 2, 3),
+            torch.tensor([1.0, 2.0]),
+            "budget must be an integer tensor",
+        ),
     ],
 )
 def test_bad_input(logits, budget, match):

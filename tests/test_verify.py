@@ -48,10 +48,18 @@ def greedy_walk_oracle(parents, tokens, logits_row_argmax):
 @pytest.mark.parametrize(
     "choices,path,committed",
     [
-        ({0: 1, 1: 3, 3: 5, 5: 2}, [0, 1, 3, 5], [1, 3, 5, 2]),  # full depth, bonus at leaf
+        (
+            {0: 1, 1: 3, 3: 5, 5: 2},
+            [0, 1, 3, 5],
+            [1, 3, 5, 2],
+        ),  # full depth, bonus at leaf
         ({0: 2, 2: 4, 4: 7}, [0, 2, 4], [2, 4, 7]),  # second sibling, stop at leaf
         ({0: 6, 6: 3}, [0, 6], [6, 3]),  # third sibling, leaf
-        ({0: 1, 1: 4}, [0, 1], [1, 4]),  # accepted then mismatch (4 is b's child, not a's)
+        (
+            {0: 1, 1: 4},
+            [0, 1],
+            [1, 4],
+        ),  # accepted then mismatch (4 is b's child, not a's)
         ({0: 5}, [0], [5]),  # immediate correction
     ],
 )
@@ -65,7 +73,9 @@ def test_exact_paths(params_kind, choices, path, committed):
         out = verify_tree(tree, logits, params, method=params_kind)
     width = 4
     assert out.accepted_indices.tolist() == [path + [-1] * (width - len(path))]
-    assert out.committed_tokens.tolist() == [committed + [-1] * (width - len(committed))]
+    assert out.committed_tokens.tolist() == [
+        committed + [-1] * (width - len(committed))
+    ]
     assert out.num_accepted.tolist() == [len(path) - 1]
 
 
@@ -84,7 +94,9 @@ def random_case(seed, num_reqs=6, depth=4, vocab=12, budget=20, agree=0.8):
     """Built trees and target logits that often agree with the draft."""
     g = torch.Generator().manual_seed(seed)
     draft = torch.randn(num_reqs, depth, vocab, generator=g) * 2
-    tree = build_ddtree(draft, budget, torch.randint(0, vocab, (num_reqs,), generator=g))
+    tree = build_ddtree(
+        draft, budget, torch.randint(0, vocab, (num_reqs,), generator=g)
+    )
     rows = tree.num_rows
     target = torch.randn(num_reqs, rows, vocab, generator=g) * 2
     # Row of node i leans towards the draft's favourite at depth(i) + 1.
@@ -103,11 +115,12 @@ def test_greedy_matches_python_oracle():
         for b in range(tree.num_reqs):
             n = int(tree.num_nodes[b]) + 1
             path, committed = greedy_walk_oracle(
-                tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(),
+                tree.parents[b, :n].tolist(),
+                tree.tokens[b, :n].tolist(),
                 target[b, :n].argmax(-1).tolist(),
             )
             got = out.accepted_indices[b]
-            assert got[: len(path)].tolist() == path and (got[len(path):] == -1).all()
+            assert got[: len(path)].tolist() == path and (got[len(path) :] == -1).all()
             assert out.committed_tokens[b, : len(committed)].tolist() == committed
             assert out.num_accepted[b] == len(path) - 1
 
@@ -147,7 +160,9 @@ def test_zero_mass_children_never_accepted(method, coin):
 def test_coin_endpoints_pick_first_and_last_positive_mass(method):
     # Root has no children here (B=0): the bonus is an inverse-CDF draw.
     tree = tree_from_parents([[-1]], [[0]], max_depth=2)
-    logits = torch.tensor([[[float("-inf"), 0.0, 1.0, float("-inf"), 0.5, float("-inf")]]])
+    logits = torch.tensor(
+        [[[float("-inf"), 0.0, 1.0, float("-inf"), 0.5, float("-inf")]]]
+    )
     params = TreeSamplingParams.from_lists([1.0])
     for coin, want in ((0.0, 1), (1.0 - 2**-24, 4)):
         coins = (torch.full((1, 1), coin), torch.full((1,), coin))
@@ -166,10 +181,18 @@ def test_seeded_requests_reproduce_and_ignore_the_batch(method):
     assert torch.equal(a.accepted_indices, b.accepted_indices)
     # Request 0 keeps its result whatever the others do.
     for others in range(5):
-        c = verify_tree(tree, target, make([11, None, 100 + others, None]), method=method)
+        c = verify_tree(
+            tree, target, make([11, None, 100 + others, None]), method=method
+        )
         assert torch.equal(c.committed_tokens[0], a.committed_tokens[0])
-    outs = {tuple(verify_tree(tree, target, make([s, 12, 13, 14]), method=method)
-                  .committed_tokens[0].tolist()) for s in range(20)}
+    outs = {
+        tuple(
+            verify_tree(tree, target, make([s, 12, 13, 14]), method=method)
+            .committed_tokens[0]
+            .tolist()
+        )
+        for s in range(20)
+    }
     assert len(outs) > 1  # the seed matters
 
 
@@ -192,11 +215,18 @@ def test_mixed_batch_equals_requests_alone(method):
         )
         n = sub.num_rows
         alone = TreeSamplingParams.from_lists(
-            [params.temperature[b].item()], [int(params.top_k[b])],
-            [params.top_p[b].item()], [params.min_p[b].item()],
+            [params.temperature[b].item()],
+            [int(params.top_k[b])],
+            [params.top_p[b].item()],
+            [params.min_p[b].item()],
         )
-        out = verify_tree(sub, target[b : b + 1, :n], alone, method=method,
-                          coins=(coins[0][b : b + 1, :n], coins[1][b : b + 1]))
+        out = verify_tree(
+            sub,
+            target[b : b + 1, :n],
+            alone,
+            method=method,
+            coins=(coins[0][b : b + 1, :n], coins[1][b : b + 1]),
+        )
         assert torch.equal(out.committed_tokens[0], batch.committed_tokens[b])
         assert torch.equal(out.accepted_indices[0], batch.accepted_indices[b])
     # Greedy requests in the mixed batch are exact argmax walks.
@@ -215,8 +245,9 @@ def test_threshold_single_relaxation_accepts_likely_child():
     coins = (torch.full((1, 7), 0.99), torch.full((1,), 0.5))
     exact = verify_tree(tree, logits, params, method="rejection", coins=coins)
     assert exact.num_accepted.item() == 0
-    relaxed = verify_tree(tree, logits, params, method="rejection", coins=coins,
-                          threshold_single=0.3)
+    relaxed = verify_tree(
+        tree, logits, params, method="rejection", coins=coins, threshold_single=0.3
+    )
     assert relaxed.accepted_indices[0, 1] == 2
 
 
@@ -246,13 +277,31 @@ def _good():
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda t, l: (t, l[0]), "target_logits must have shape"),
-        (lambda t, l: (t, l[:, :5]), "expected"),
-        (lambda t, l: (t, l.long()), "floating point"),
-        (lambda t, l: (t, l.to("meta")), "is on meta"),
-        (lambda t, l: (t, l.index_fill(2, torch.tensor([3]), float("nan"))), "NaN"),
-        (lambda t, l: (t, l.index_fill(2, torch.tensor([3]), float("inf"))), r"\+inf"),
-        (lambda t, l: (t, l.index_fill(1, torch.tensor([2]), float("-inf"))), "every value is -inf"),
+        (lambda t, logits: (t, logits[0]), "target_logits must have shape"),
+        (lambda t, logits: (t, logits[:, :5]), "expected"),
+        (lambda t, logits: (t, logits.long()), "floating point"),
+        (lambda t, logits: (t, logits.to("meta")), "is on meta"),
+        (
+            lambda t, logits: (
+                t,
+                logits.index_fill(2, torch.tensor([3]), float("nan")),
+            ),
+            "NaN",
+        ),
+        (
+            lambda t, logits: (
+                t,
+                logits.index_fill(2, torch.tensor([3]), float("inf")),
+            ),
+            r"\+inf",
+        ),
+        (
+            lambda t, logits: (
+                t,
+                logits.index_fill(1, torch.tensor([2]), float("-inf")),
+            ),
+            "every value is -inf",
+        ),
     ],
 )
 def test_bad_logits(mutate, match):
@@ -271,19 +320,33 @@ def test_bad_params_and_options():
     with pytest.raises(ValueError, match="temperature"):
         verify_tree(tree, logits, TreeSamplingParams(temperature=torch.tensor([-1.0])))
     with pytest.raises(ValueError, match="top_p"):
-        verify_tree(tree, logits, TreeSamplingParams(torch.ones(1), top_p=torch.tensor([0.0])))
+        verify_tree(
+            tree, logits, TreeSamplingParams(torch.ones(1), top_p=torch.tensor([0.0]))
+        )
     with pytest.raises(ValueError, match="top_k"):
-        verify_tree(tree, logits, TreeSamplingParams(torch.ones(1), top_k=torch.tensor([-3])))
+        verify_tree(
+            tree, logits, TreeSamplingParams(torch.ones(1), top_k=torch.tensor([-3]))
+        )
     with pytest.raises(ValueError, match="min_p"):
-        verify_tree(tree, logits, TreeSamplingParams(torch.ones(1), min_p=torch.tensor([2.0])))
+        verify_tree(
+            tree, logits, TreeSamplingParams(torch.ones(1), min_p=torch.tensor([2.0]))
+        )
     with pytest.raises(ValueError, match=r"temperature must be a \[1\] tensor"):
         verify_tree(tree, logits, TreeSamplingParams(torch.ones(2)))
     with pytest.raises(ValueError, match="coins must be"):
-        verify_tree(tree, logits, TreeSamplingParams(torch.ones(1)),
-                    coins=(torch.rand(1, 3), torch.rand(1)))
+        verify_tree(
+            tree,
+            logits,
+            TreeSamplingParams(torch.ones(1)),
+            coins=(torch.rand(1, 3), torch.rand(1)),
+        )
     with pytest.raises(ValueError, match=r"coins must lie in \[0, 1\)"):
-        verify_tree(tree, logits, TreeSamplingParams(torch.ones(1)),
-                    coins=(torch.ones(1, 7), torch.rand(1)))
+        verify_tree(
+            tree,
+            logits,
+            TreeSamplingParams(torch.ones(1)),
+            coins=(torch.ones(1, 7), torch.rand(1)),
+        )
     with pytest.raises(ValueError, match="backend"):
         verify_tree(tree, logits, backend="fortran")
 

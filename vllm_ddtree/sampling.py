@@ -68,7 +68,9 @@ class TreeSamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @classmethod
-    def greedy(cls, num_reqs: int, device: torch.device | str = "cpu") -> TreeSamplingParams:
+    def greedy(
+        cls, num_reqs: int, device: torch.device | str = "cpu"
+    ) -> TreeSamplingParams:
         return cls(temperature=torch.zeros(num_reqs, device=device), all_greedy=True)
 
     @classmethod
@@ -83,8 +85,12 @@ class TreeSamplingParams:
     ) -> TreeSamplingParams:
         """Validates host-side values (no device sync) and builds the batch."""
         num_reqs = len(temperature)
-        for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
-                             ("seeds", seeds)):
+        for name, values in (
+            ("top_k", top_k),
+            ("top_p", top_p),
+            ("min_p", min_p),
+            ("seeds", seeds),
+        ):
             if values is not None and len(values) != num_reqs:
                 raise ValueError(
                     f"{name} has {len(values)} entries but temperature has {num_reqs}"
@@ -102,21 +108,31 @@ class TreeSamplingParams:
         min_p_used = min_p is not None and any(p > 0.0 for p in min_p)
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if top_k_used else None,
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device) if top_p_used else None,
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if min_p_used else None,
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device)
+            if top_k_used
+            else None,
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device)
+            if top_p_used
+            else None,
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device)
+            if min_p_used
+            else None,
             generators=generators,
             all_greedy=all(t < SAMPLING_EPS for t in temperature),
         )
 
-    def validate(self, num_reqs: int, device: torch.device, check_values: bool = True) -> None:
+    def validate(
+        self, num_reqs: int, device: torch.device, check_values: bool = True
+    ) -> None:
         """Shape/device checks; value checks too if ``check_values`` (a device sync)."""
         for name in ("temperature", "top_k", "top_p", "min_p"):
             t = getattr(self, name)
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor) or t.shape != (num_reqs,):
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                shape = (
+                    tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                )
                 raise ValueError(f"{name} must be a [{num_reqs}] tensor, got {shape}")
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, expected {device}")
@@ -124,7 +140,9 @@ class TreeSamplingParams:
             raise ValueError(f"top_k must be an integer tensor, got {self.top_k.dtype}")
         for i in self.generators:
             if not 0 <= i < num_reqs:
-                raise ValueError(f"generators has request index {i} outside [0, {num_reqs})")
+                raise ValueError(
+                    f"generators has request index {i} outside [0, {num_reqs})"
+                )
         if not check_values:
             return
         _check_values(
@@ -135,10 +153,16 @@ class TreeSamplingParams:
         )
 
     def select(self, rows: torch.Tensor) -> TreeSamplingParams:
-        """Per-row parameters for rows owned by requests ``rows`` (generators dropped)."""
+        """Per-row parameters for rows owned by requests ``rows``.
+
+        Generators are dropped.
+        """
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return TreeSamplingParams(
-            pick(self.temperature), pick(self.top_k), pick(self.top_p), pick(self.min_p),
+            pick(self.temperature),
+            pick(self.top_k),
+            pick(self.top_p),
+            pick(self.min_p),
             all_greedy=self.all_greedy,
         )
 
@@ -148,10 +172,15 @@ def _check_values(temperature, top_k, top_p, min_p) -> None:
 
     for i, t in enumerate(temperature):
         if not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {t} (request {i})")
+            raise ValueError(
+                f"temperature must be finite and >= 0, got {t} (request {i})"
+            )
     for i, k in enumerate(top_k or []):
         if k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or > 0, got {k} (request {i})")
+            raise ValueError(
+                "top_k must be -1 (disabled), 0 (disabled) or > 0, "
+                f"got {k} (request {i})"
+            )
     for i, p in enumerate(top_p or []):
         if not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p} (request {i})")
@@ -160,7 +189,9 @@ def _check_values(temperature, top_k, top_p, min_p) -> None:
             raise ValueError(f"min_p must be in [0, 1], got {p} (request {i})")
 
 
-def apply_sampling_params(logits: torch.Tensor, params: TreeSamplingParams) -> torch.Tensor:
+def apply_sampling_params(
+    logits: torch.Tensor, params: TreeSamplingParams
+) -> torch.Tensor:
     """Temperature, min-p, top-k and top-p on rows of logits, as vLLM 0.32 does.
 
     Args:
@@ -172,7 +203,9 @@ def apply_sampling_params(logits: torch.Tensor, params: TreeSamplingParams) -> t
         divided by 1 (their sample is the argmax of the raw logits).
     """
     vocab = logits.shape[-1]
-    temperature = torch.where(params.temperature < SAMPLING_EPS, 1.0, params.temperature)
+    temperature = torch.where(
+        params.temperature < SAMPLING_EPS, 1.0, params.temperature
+    )
     logits.div_(temperature.unsqueeze(1))
 
     if params.min_p is not None:
@@ -187,7 +220,9 @@ def apply_sampling_params(logits: torch.Tensor, params: TreeSamplingParams) -> t
         if top_k is not None:
             # k-th largest value; vLLM's topk(max k) path needs a host sync, a
             # sort does not. Same threshold, same ties kept.
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
+            kth = logits.sort(dim=-1, descending=True).values.gather(
+                1, (top_k - 1).unsqueeze(1)
+            )
             logits.masked_fill_(logits < kth, float("-inf"))
         return logits
 

@@ -164,7 +164,10 @@ def make_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in _special_tokens(vocab_size)]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in _special_tokens(vocab_size)
+        ]
     )
     assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
     assert tok.token_to_id(EOS_TOKEN) == EOS_TOKEN_ID
@@ -172,7 +175,9 @@ def make_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     return tok
 
 
-def write_tokenizer(path: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> str:
+def write_tokenizer(
+    path: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> str:
     """Write the tiny fast tokenizer (and its chat template) into ``path``.
 
     Files: ``tokenizer.json``, ``tokenizer_config.json`` (``PreTrainedTokenizerFast``,
@@ -309,7 +314,9 @@ def make_target(
 
     if kind == "random":
         embed = _randn(g, vocab_size, hidden_size)  # unit RMS hidden states
-        lm_head = _randn(g, vocab_size, hidden_size, std=_RANDOM_LOGIT_STD / math.sqrt(hidden_size))
+        lm_head = _randn(
+            g, vocab_size, hidden_size, std=_RANDOM_LOGIT_STD / math.sqrt(hidden_size)
+        )
         lm_head[_NUM_NAMED_TOKENS - 2 :] = 0.0  # eos, mask, reserved: logit 0
     else:
         embed = _oracle_embeddings(g, vocab_size, hidden_size, min(hidden_size, kv_out))
@@ -320,8 +327,18 @@ def make_target(
 
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        sd.update(_decoder_layer(g, p, hidden_size, q_out, kv_out, head_dim,
-                                 intermediate_size, qk_norm=arch == "qwen3"))
+        sd.update(
+            _decoder_layer(
+                g,
+                p,
+                hidden_size,
+                q_out,
+                kv_out,
+                head_dim,
+                intermediate_size,
+                qk_norm=arch == "qwen3",
+            )
+        )
         if kind == "oracle":
             for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
                 sd[p + name].mul_(oracle_noise)
@@ -423,7 +440,9 @@ def make_dflash_drafter(
     if block_size < 2:
         raise ValueError("block_size must be >= 2 (bonus token + drafts)")
     if not 0 <= mask_token_id < vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} outside the target vocab ({vocab_size})")
+        raise ValueError(
+            f"mask_token_id {mask_token_id} outside the target vocab ({vocab_size})"
+        )
     if target_layer_ids is None:
         target_layer_ids = build_target_layer_ids(n_target, num_layers)
     target_layer_ids = [int(i) for i in target_layer_ids]
@@ -442,10 +461,16 @@ def make_dflash_drafter(
     # The target-derived fields (rope, eps, positions, vocab) as for the trained
     # drafter; the head layout may be overridden.
     shape = dataclasses.replace(
-        DrafterShape.from_target(SimpleNamespace(**tcfg), num_layers=num_layers,
-                                 target_layer_ids=target_layer_ids,
-                                 mask_token_id=mask_token_id, block_size=block_size),
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        DrafterShape.from_target(
+            SimpleNamespace(**tcfg),
+            num_layers=num_layers,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+        ),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         intermediate_size=intermediate_size,
     )
 
@@ -458,14 +483,19 @@ def make_dflash_drafter(
     }
     for i in range(num_layers):
         p = f"layers.{i}."
-        sd.update(_decoder_layer(g, p, hidden, q_out, kv_out, head_dim, intermediate_size,
-                                 qk_norm=True))
+        sd.update(
+            _decoder_layer(
+                g, p, hidden, q_out, kv_out, head_dim, intermediate_size, qk_norm=True
+            )
+        )
 
     if kind == "oracle":
         with safe_open(str(target_path / "model.safetensors"), framework="pt") as f:
             embed = f.get_tensor("model.embed_tokens.weight").float()
         rank = min(hidden, kv_out)
-        if bool((embed[:, rank:] != 0).any()) or bool((embed[mask_token_id] != 0).any()):
+        if bool((embed[:, rank:] != 0).any()) or bool(
+            (embed[mask_token_id] != 0).any()
+        ):
             raise ValueError(
                 "an oracle drafter needs an oracle target (zero mask embedding, "
                 f"embeddings inside the first {rank} = min(hidden, num_kv_heads * "
@@ -538,7 +568,8 @@ def _check_vocab_size(vocab_size: int) -> None:
 def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     if head_dim not in CPU_ATTENTION_HEAD_SIZES:
         raise ValueError(
-            f"head_dim {head_dim} is not a CPU attention head size {CPU_ATTENTION_HEAD_SIZES}"
+            f"head_dim {head_dim} is not a CPU attention head size "
+            f"{CPU_ATTENTION_HEAD_SIZES}"
         )
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError("num_heads must be a positive multiple of num_kv_heads")
@@ -548,16 +579,29 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+        raise ValueError(
+            f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"
+        ) from None
 
 
 def _randn(g: torch.Generator, *shape: int, std: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=g) * std
 
 
-def _decoder_layer(g: torch.Generator, prefix: str, hidden: int, q_out: int, kv_out: int,
-                   head_dim: int, intermediate: int, qk_norm: bool) -> dict[str, torch.Tensor]:
-    """Random weights of one Llama/Qwen3 decoder layer (draw order fixed by the seed)."""
+def _decoder_layer(
+    g: torch.Generator,
+    prefix: str,
+    hidden: int,
+    q_out: int,
+    kv_out: int,
+    head_dim: int,
+    intermediate: int,
+    qk_norm: bool,
+) -> dict[str, torch.Tensor]:
+    """Random weights of one Llama/Qwen3 decoder layer.
+
+    The draw order is fixed by the seed.
+    """
     sd = {
         prefix + "self_attn.q_proj.weight": _linear(g, q_out, hidden),
         prefix + "self_attn.k_proj.weight": _linear(g, kv_out, hidden),
@@ -580,7 +624,9 @@ def _linear(g: torch.Generator, out_features: int, in_features: int) -> torch.Te
     return _randn(g, out_features, in_features, std=1.0 / math.sqrt(in_features))
 
 
-def _oracle_embeddings(g: torch.Generator, vocab: int, hidden: int, rank: int) -> torch.Tensor:
+def _oracle_embeddings(
+    g: torch.Generator, vocab: int, hidden: int, rank: int
+) -> torch.Tensor:
     """Rows of equal norm (unit RMS) supported on the first ``rank`` coordinates.
 
     Distinct random directions make ``argmax_j <e_i, e_j>`` equal ``i``; the
@@ -613,7 +659,9 @@ def _oracle_value_path(
     return v, o
 
 
-def _save_safetensors(file: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def _save_safetensors(
+    file: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype
+) -> None:
     from safetensors.torch import save_file
 
     save_file(

@@ -153,11 +153,15 @@ def _resolve_budget(
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     if max_budget is not None and max_budget != budget:
-        raise ValueError(f"max_budget ({max_budget}) must equal an int budget ({budget})")
+        raise ValueError(
+            f"max_budget ({max_budget}) must equal an int budget ({budget})"
+        )
     return int(budget), None
 
 
-def draft_top_k(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_top_k(
+    draft_logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` draft tokens per position and their log-probs (float32).
 
     The one vocabulary-sized step shared by both builders.
@@ -177,7 +181,9 @@ def draft_top_k(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 
 @functools.lru_cache(maxsize=64)
-def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidate_pairs(
+    budget: int, k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(parent position i, child rank r) pairs that can be in a top-``budget`` tree.
 
     The i + 1 parents ranked at or before i (their scores are >= and they win ties)
@@ -194,7 +200,8 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
 
 
 def _top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the ``count`` largest scores per row, best first, ties to the lower index.
+    """Indices of the ``count`` largest scores per row, best first, ties to the
+    lower index.
 
     Scores are log-probabilities, in [-inf, 0], so a larger score has a smaller
     float32 magnitude, and the magnitude's bits order like the magnitude. One
@@ -253,7 +260,9 @@ def build_ddtree(
     pair_parent, pair_rank = _candidate_pairs(cap, k, device)
     # Pair ids: depth 1 uses ids 0..cap-1 (parent = root, rank = id); deeper depths
     # use cap + index into the (pair_parent, pair_rank) list.
-    all_pair_parent = torch.cat([torch.zeros(cap, dtype=torch.int64, device=device), pair_parent])
+    all_pair_parent = torch.cat(
+        [torch.zeros(cap, dtype=torch.int64, device=device), pair_parent]
+    )
     all_pair_rank = torch.cat([torch.arange(cap, device=device), pair_rank])
     # Depth 1: the root's children are the top ranks, already sorted.
     first = torch.full((num_reqs, cap), float("-inf"), device=device)
@@ -262,9 +271,9 @@ def build_ddtree(
     level_pairs = [torch.arange(cap, device=device).expand(num_reqs, cap)]
     for d in range(1, depth_limit):
         # [R, C] candidate scores; an invalid parent (-inf) stays -inf.
-        cand = level_scores[-1].index_select(1, pair_parent) + log_probs[:, d].index_select(
-            1, pair_rank
-        )
+        cand = level_scores[-1].index_select(1, pair_parent) + log_probs[
+            :, d
+        ].index_select(1, pair_rank)
         # Ties keep the (parent position, rank) order of the pair list.
         order = _top_in_order(cand, cap)
         level_scores.append(cand.gather(1, order))
@@ -281,10 +290,11 @@ def build_ddtree(
     if per_req_budget is not None:
         valid &= node_slot < per_req_budget.to(device).unsqueeze(1)
     sel_depth0 = sel // cap  # 0-based depth level
-    sel_pos = sel % cap
 
     # Local index (1-based) of every (depth, position) entry that made the tree.
-    local_of_entry = torch.zeros(num_reqs, depth_limit * cap, dtype=torch.int64, device=device)
+    local_of_entry = torch.zeros(
+        num_reqs, depth_limit * cap, dtype=torch.int64, device=device
+    )
     local_of_entry.scatter_(1, sel, torch.where(valid, node_slot + 1, 0))
     parent_pos = all_pair_parent[sel_pair]
     parent_entry = (sel_depth0 - 1).clamp(min=0) * cap + parent_pos
@@ -306,7 +316,10 @@ def build_ddtree(
     parents = torch.cat([zero - 1, torch.where(valid, parent_local, -1)], dim=1)
     depths = torch.cat([zero, torch.where(valid, sel_depth0 + 1, 0)], dim=1)
     scores = torch.cat(
-        [torch.zeros(num_reqs, 1, device=device), sel_scores.masked_fill(~valid, float("-inf"))],
+        [
+            torch.zeros(num_reqs, 1, device=device),
+            sel_scores.masked_fill(~valid, float("-inf")),
+        ],
         dim=1,
     )
     num_nodes = valid.sum(dim=1)
@@ -316,9 +329,14 @@ def build_ddtree(
 def _children_per_depth(cap: int, vocab: int, max_children: int | None) -> int:
     if max_children is None:
         return min(cap, vocab)
-    if isinstance(max_children, bool) or not isinstance(max_children, (int, np.integer)) \
-            or max_children < 1:
-        raise ValueError(f"max_children must be None or an int >= 1, got {max_children!r}")
+    if (
+        isinstance(max_children, bool)
+        or not isinstance(max_children, (int, np.integer))
+        or max_children < 1
+    ):
+        raise ValueError(
+            f"max_children must be None or an int >= 1, got {max_children!r}"
+        )
     return min(cap, vocab, int(max_children))
 
 
@@ -326,9 +344,11 @@ def _empty_tree(
     num_reqs: int, depth_limit: int, root_token_ids: torch.Tensor | None, device
 ) -> DraftTree:
     zero = torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)
-    tokens = zero if root_token_ids is None else root_token_ids.to(
-        device=device, dtype=torch.int64
-    ).reshape(num_reqs, 1)
+    tokens = (
+        zero
+        if root_token_ids is None
+        else root_token_ids.to(device=device, dtype=torch.int64).reshape(num_reqs, 1)
+    )
     return _finish_tree(
         tokens,
         zero - 1,
@@ -354,7 +374,9 @@ def _finish_tree(
     is_node = parents >= 0  # root and padding are not children of anything
 
     # First child = lowest-index child; scatter_reduce over a sentinel `rows`.
-    first_child = torch.full((num_reqs, rows + 1), rows, dtype=torch.int64, device=device)
+    first_child = torch.full(
+        (num_reqs, rows + 1), rows, dtype=torch.int64, device=device
+    )
     first_child.scatter_reduce_(
         1, torch.where(is_node, parents, rows), torch.where(is_node, idx, rows), "amin"
     )
@@ -398,7 +420,8 @@ def _finish_tree(
 
 
 def pack_visibility(visibility: torch.Tensor) -> torch.Tensor:
-    """[..., rows, rows] bool -> [..., rows, ceil(rows / 32)] int32 little-endian bits."""
+    """[..., rows, rows] bool -> [..., rows, ceil(rows / 32)] int32 little-endian
+    bits."""
     rows = visibility.shape[-1]
     words = (rows + 31) // 32
     bits = torch.nn.functional.pad(visibility, (0, words * 32 - rows)).view(torch.uint8)
@@ -437,7 +460,9 @@ def tree_from_parents(
     for b in range(num_reqs):
         n = len(parents[b])
         if n < 1 or parents[b][0] != -1 or len(tokens[b]) != n:
-            raise ValueError(f"request {b}: needs a root with parent -1 and one token per node")
+            raise ValueError(
+                f"request {b}: needs a root with parent -1 and one token per node"
+            )
         sco[b, 0] = 0.0
         last_child: dict[int, int] = {}
         for i in range(rows):
@@ -448,11 +473,15 @@ def tree_from_parents(
             if i == 0:
                 continue
             if not 0 <= p < i:
-                raise ValueError(f"request {b}: node {i} has parent {p}, need 0 <= parent < {i}")
+                raise ValueError(
+                    f"request {b}: node {i} has parent {p}, need 0 <= parent < {i}"
+                )
             par[b, i] = p
             dep[b, i] = dep[b, p] + 1
             if dep[b, i] > max_depth:
-                raise ValueError(f"request {b}: node {i} is deeper than max_depth={max_depth}")
+                raise ValueError(
+                    f"request {b}: node {i} is deeper than max_depth={max_depth}"
+                )
             sco[b, i] = scores[b][i] if scores is not None else 0.0
             vis[b, i, :i] = vis[b, p, :i]  # the paper's visibility recurrence
             if p in last_child:
@@ -467,7 +496,9 @@ def tree_from_parents(
         parents=torch.from_numpy(par).to(device),
         depths=torch.from_numpy(dep).to(device),
         scores=torch.from_numpy(sco).to(device),
-        num_nodes=torch.tensor([len(p) - 1 for p in parents], dtype=torch.int64, device=device),
+        num_nodes=torch.tensor(
+            [len(p) - 1 for p in parents], dtype=torch.int64, device=device
+        ),
         retrieve_index=torch.from_numpy(
             np.arange(num_reqs)[:, None] * rows + rows_idx[None, :]
         ).to(device),
@@ -514,7 +545,8 @@ def build_ddtree_reference(
         root = root_token_ids[b] if root_token_ids is not None else 0
         parents, tokens, scores = [-1], [int(root)], [0.0]
         count_at_depth = [0] * (depth_limit + 1)
-        # (-score, depth, parent position in its depth, rank, parent index, parent score)
+        # (-score, depth, parent position in its depth, rank, parent index,
+        #  parent score)
         zero = np.float32(0.0)
         heap = [(-np.float32(zero + lp[0, 0]), 1, 0, 0, 0, zero)]
         while heap and len(parents) - 1 < budgets[b]:
@@ -528,7 +560,9 @@ def build_ddtree_reference(
             scores.append(float(score))
             if rank + 1 < k:  # next sibling
                 s = np.float32(parent_score + lp[depth - 1, rank + 1])
-                heapq.heappush(heap, (-s, depth, parent_pos, rank + 1, parent, parent_score))
+                heapq.heappush(
+                    heap, (-s, depth, parent_pos, rank + 1, parent, parent_score)
+                )
             if depth < depth_limit:  # first child
                 s = np.float32(score + lp[depth, 0])
                 heapq.heappush(heap, (-s, depth + 1, pos, 0, index, score))

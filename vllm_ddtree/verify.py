@@ -37,7 +37,6 @@ from typing import Literal
 import torch
 
 from vllm_ddtree.sampling import (
-    SAMPLING_EPS,
     TreeSamplingParams,
     apply_sampling_params,
     draw_coins,
@@ -80,12 +79,18 @@ def _check_inputs(
     validate_values: bool,
 ) -> None:
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
-        shape = tuple(target_logits.shape) if isinstance(target_logits, torch.Tensor) else None
+        shape = (
+            tuple(target_logits.shape)
+            if isinstance(target_logits, torch.Tensor)
+            else None
+        )
         raise ValueError(
             f"target_logits must have shape [num_reqs, N + 1, vocab_size], got {shape}"
         )
     if not target_logits.is_floating_point():
-        raise ValueError(f"target_logits must be floating point, got {target_logits.dtype}")
+        raise ValueError(
+            f"target_logits must be floating point, got {target_logits.dtype}"
+        )
     expected = (tree.num_reqs, tree.num_rows)
     if tuple(target_logits.shape[:2]) != expected:
         raise ValueError(
@@ -99,7 +104,10 @@ def _check_inputs(
         )
     if method not in METHOD_IDS:
         raise ValueError(f"method must be one of {sorted(METHOD_IDS)}, got {method!r}")
-    for name, value in (("threshold_single", threshold_single), ("threshold_acc", threshold_acc)):
+    for name, value in (
+        ("threshold_single", threshold_single),
+        ("threshold_acc", threshold_acc),
+    ):
         if not 0.0 < value <= 1.0:
             raise ValueError(f"{name} must be in (0, 1], got {value}")
     if coins is not None:
@@ -115,8 +123,10 @@ def _check_inputs(
             raise ValueError("target_logits contains NaN or +inf values")
         if torch.isneginf(target_logits).all(dim=-1).any():
             raise ValueError("target_logits has a row where every value is -inf")
-        if coins is not None and not bool(((coins[0] >= 0) & (coins[0] < 1)).all()
-                                          & ((coins[1] >= 0) & (coins[1] < 1)).all()):
+        if coins is not None and not bool(
+            ((coins[0] >= 0) & (coins[0] < 1)).all()
+            & ((coins[1] >= 0) & (coins[1] < 1)).all()
+        ):
             raise ValueError("coins must lie in [0, 1)")
 
 
@@ -152,15 +162,31 @@ def verify_tree(
     """
     if params is None:
         params = TreeSamplingParams.greedy(tree.num_reqs, target_logits.device)
-    _check_inputs(tree, target_logits, params, method, threshold_single, threshold_acc,
-                  coins, validate)
+    _check_inputs(
+        tree,
+        target_logits,
+        params,
+        method,
+        threshold_single,
+        threshold_acc,
+        coins,
+        validate,
+    )
     if coins is None:
-        coins = draw_coins(tree.num_reqs, tree.num_rows, target_logits.device,
-                           params.generators)
+        coins = draw_coins(
+            tree.num_reqs, tree.num_rows, target_logits.device, params.generators
+        )
     from vllm_ddtree.ops import tree_verify_dispatch
 
     return tree_verify_dispatch(
-        tree, target_logits, params, method, coins, threshold_single, threshold_acc, backend
+        tree,
+        target_logits,
+        params,
+        method,
+        coins,
+        threshold_single,
+        threshold_acc,
+        backend,
     )
 
 
@@ -232,7 +258,8 @@ def verify_tree_torch(
             acc = e_child.cumsum(dim=1)
             coin = node_coins[req, cur].double().unsqueeze(1)
             take = (e_child > 0) & (
-                (coin * total * threshold_acc < acc) | (e_child >= threshold_single * total)
+                (coin * total * threshold_acc < acc)
+                | (e_child >= threshold_single * total)
             )
             match = torch.where(greedy.unsqueeze(1), match, children & take)
         child = torch.where(match, node_idx, rows).amin(dim=1)
@@ -249,15 +276,19 @@ def verify_tree_torch(
     if e is None:
         sampled = None
     elif rejection:
-        rejected = (tree.parents == cur.unsqueeze(1))  # every child was rejected
+        rejected = tree.parents == cur.unsqueeze(1)  # every child was rejected
         # Count, not assign: several rows may carry one token (root, padding).
         drop = torch.zeros(e.shape, dtype=torch.int32, device=device)
         in_vocab = (tree.tokens >= 0) & (tree.tokens < vocab)
-        drop.scatter_add_(1, tree.tokens.clamp(0, vocab - 1), (rejected & in_vocab).to(torch.int32))
+        drop.scatter_add_(
+            1, tree.tokens.clamp(0, vocab - 1), (rejected & in_vocab).to(torch.int32)
+        )
         e_res = torch.where(drop > 0, 0.0, e)
         sampled = _inverse_cdf(e_res, final_coins)
         # All mass on rejected children can only come from float rounding.
-        sampled = torch.where(e_res.sum(dim=-1) > 0, sampled, _inverse_cdf(e, final_coins))
+        sampled = torch.where(
+            e_res.sum(dim=-1) > 0, sampled, _inverse_cdf(e, final_coins)
+        )
     else:
         sampled = _inverse_cdf(e, node_coins[req, cur])
     bonus = raw.argmax(dim=-1)

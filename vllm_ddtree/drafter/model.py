@@ -4,8 +4,9 @@
 vLLM 0.32's ``DFlashQwen3ForCausalLM`` (``model_executor/models/qwen3_dflash.py``):
 
 * context: ``c = fc(concat_k h_k)`` over the target's aux hidden states, then per
-  drafter layer ``K = rope(k_norm(k_proj(hidden_norm(c))))``, ``V = v_proj(hidden_norm(c))``
-  (context tokens only contribute keys and values, no queries);
+  drafter layer ``K = rope(k_norm(k_proj(hidden_norm(c))))``,
+  ``V = v_proj(hidden_norm(c))`` (context tokens only contribute keys and values,
+  no queries);
 * queries: the block ``[bonus, mask x (block_size - 1)]`` at positions ``p .. p+bs-1``
   runs through Qwen3 decoder layers (pre-norm, per-head q/k RMSNorm, neox RoPE),
   attending non-causally to the context before ``p`` and to the whole block;
@@ -48,8 +49,15 @@ class DrafterShape:
     max_position_embeddings: int
 
     @classmethod
-    def from_target(cls, target_config, *, num_layers: int, target_layer_ids, mask_token_id: int,
-                    block_size: int) -> DrafterShape:
+    def from_target(
+        cls,
+        target_config,
+        *,
+        num_layers: int,
+        target_layer_ids,
+        mask_token_id: int,
+        block_size: int,
+    ) -> DrafterShape:
         rope = getattr(target_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
         return cls(
@@ -106,12 +114,19 @@ class DrafterShape:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(
+        x.dtype
+    ) * weight
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """Neox-style (rotate-half) RoPE tables for ``positions`` [...]: cos, sin [..., head_dim]."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    """Neox-style (rotate-half) RoPE tables.
+
+    ``positions`` [...] -> cos, sin [..., head_dim].
+    """
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    )
     angles = positions.float().unsqueeze(-1) * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -153,7 +168,9 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.shape = shape
         h = shape.hidden_size
-        self.layers = nn.ModuleList(DrafterLayer(shape) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            DrafterLayer(shape) for _ in range(shape.num_layers)
+        )
         self.fc = nn.Linear(h * len(shape.target_layer_ids), h, bias=False)
         self.hidden_norm = nn.Module()
         self.hidden_norm.weight = nn.Parameter(torch.ones(h))
@@ -163,7 +180,7 @@ class DFlashDrafter(nn.Module):
 
     # ----------------------------------------------------------------------- #
     def init_from_target(self, target: nn.Module) -> None:
-        """Warm start: drafter layer i <- the target's last layers, ``fc`` <- the last tap.
+        """Warm start: drafter layer i <- the target's last layers, ``fc`` <- last tap.
 
         The target (Llama) layers have the same projections; Qwen3's q/k norms start
         at 1. ``fc`` starts as the identity on the deepest tap, so the context keys
@@ -175,11 +192,17 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             src = t_layers[len(t_layers) - s.num_layers + i]
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(layer.self_attn, name).weight.data.copy_(getattr(src.self_attn, name).weight)
+                getattr(layer.self_attn, name).weight.data.copy_(
+                    getattr(src.self_attn, name).weight
+                )
             for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(layer.mlp, name).weight.data.copy_(getattr(src.mlp, name).weight)
+                getattr(layer.mlp, name).weight.data.copy_(
+                    getattr(src.mlp, name).weight
+                )
             layer.input_layernorm.weight.data.copy_(src.input_layernorm.weight)
-            layer.post_attention_layernorm.weight.data.copy_(src.post_attention_layernorm.weight)
+            layer.post_attention_layernorm.weight.data.copy_(
+                src.post_attention_layernorm.weight
+            )
         h = s.hidden_size
         self.fc.weight.data.zero_()
         self.fc.weight.data[:, -h:] = torch.eye(h)
@@ -188,7 +211,10 @@ class DFlashDrafter(nn.Module):
 
     # ----------------------------------------------------------------------- #
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
-        """Per layer (K, V) of the context. features [S, T, F] -> K, V [S, kv_heads, T, hd]."""
+        """Per layer (K, V) of the context.
+
+        features [S, T, F] -> K, V [S, kv_heads, T, hd].
+        """
         s = self.shape
         ctx = rms_norm(self.fc(features), self.hidden_norm.weight, s.rms_norm_eps)
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [S, T, hd]
@@ -226,29 +252,44 @@ class DFlashDrafter(nn.Module):
         groups = s.num_heads // s.num_kv_heads
         h = query_embeds
         mask = attn_mask.unsqueeze(1)
-        for layer, (ck, cv) in zip(self.layers, context):
+        for layer, (ck, cv) in zip(self.layers, context, strict=True):
             a = layer.self_attn
             x = rms_norm(h, layer.input_layernorm.weight, s.rms_norm_eps)
-            q = rms_norm(a.q_proj(x).unflatten(-1, (s.num_heads, s.head_dim)), a.q_norm.weight,
-                         s.rms_norm_eps)
-            k = rms_norm(a.k_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim)), a.k_norm.weight,
-                         s.rms_norm_eps)
+            q = rms_norm(
+                a.q_proj(x).unflatten(-1, (s.num_heads, s.head_dim)),
+                a.q_norm.weight,
+                s.rms_norm_eps,
+            )
+            k = rms_norm(
+                a.k_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim)),
+                a.k_norm.weight,
+                s.rms_norm_eps,
+            )
             v = a.v_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim))
             q = apply_rope(q, cos, sin).transpose(1, 2)
             k = apply_rope(k, cos, sin).transpose(1, 2)
             keys = torch.cat([ck, k], dim=2).repeat_interleave(groups, dim=1)
-            values = torch.cat([cv, v.transpose(1, 2)], dim=2).repeat_interleave(groups, dim=1)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                               scale=1.0 / math.sqrt(s.head_dim))
+            values = torch.cat([cv, v.transpose(1, 2)], dim=2).repeat_interleave(
+                groups, dim=1
+            )
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(s.head_dim)
+            )
             h = h + a.o_proj(o.transpose(1, 2).flatten(-2))
             x = rms_norm(h, layer.post_attention_layernorm.weight, s.rms_norm_eps)
-            h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
+            h = h + layer.mlp.down_proj(
+                F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
+            )
         return rms_norm(h, self.norm.weight, s.rms_norm_eps)
 
     # ----------------------------------------------------------------------- #
-    def export(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-               extra_files: dict[str, str] | None = None,
-               mask_embedding: bool = True) -> None:
+    def export(
+        self,
+        out_dir: Path,
+        dtype: torch.dtype = torch.bfloat16,
+        extra_files: dict[str, str] | None = None,
+        mask_embedding: bool = True,
+    ) -> None:
         """Writes the vLLM checkpoint directory (config, safetensors, mask embedding).
 
         ``mask_embedding=False`` leaves out ``mask_embedding.pt``: the mask slots
@@ -258,15 +299,25 @@ class DFlashDrafter(nn.Module):
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        tensors = {name: p.detach().to(dtype).contiguous() for name, p in self.named_parameters()
-                   if name != "mask_embedding"}
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        tensors = {
+            name: p.detach().to(dtype).contiguous()
+            for name, p in self.named_parameters()
+            if name != "mask_embedding"
+        }
+        save_file(
+            tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"}
+        )
         if mask_embedding:
-            torch.save({"mask_token_id": self.shape.mask_token_id,
-                        "embedding": self.mask_embedding.detach().to(dtype).clone()},
-                       out_dir / "mask_embedding.pt")
+            torch.save(
+                {
+                    "mask_token_id": self.shape.mask_token_id,
+                    "embedding": self.mask_embedding.detach().to(dtype).clone(),
+                },
+                out_dir / "mask_embedding.pt",
+            )
         (out_dir / "config.json").write_text(
-            json.dumps(self.shape.hf_config(dtype), indent=2) + "\n")
+            json.dumps(self.shape.hf_config(dtype), indent=2) + "\n"
+        )
         for name, text in (extra_files or {}).items():
             (out_dir / name).write_text(text)
 
@@ -278,15 +329,25 @@ class DFlashDrafter(nn.Module):
         cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
         d = cfg["dflash_config"]
         shape = DrafterShape(
-            hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
-            head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
-            target_layer_ids=tuple(d["target_layer_ids"]), mask_token_id=d["mask_token_id"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg["rope_theta"],
+            target_layer_ids=tuple(d["target_layer_ids"]),
+            mask_token_id=d["mask_token_id"],
             block_size=d.get("block_size", cfg.get("block_size", 16)),
-            vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"])
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+        )
         model = cls(shape)
-        state = {k: v.float() for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()}
+        state = {
+            k: v.float()
+            for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()
+        }
         mask = torch.load(Path(ckpt_dir) / "mask_embedding.pt", weights_only=True)
         state["mask_embedding"] = mask["embedding"].float()
         model.load_state_dict(state)

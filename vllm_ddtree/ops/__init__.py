@@ -30,8 +30,10 @@ def _triton_usable() -> bool:
 
 
 def cuda_extension_available() -> bool:
-    from vllm_ddtree.ops import cuda_ext
-
+    try:
+        from vllm_ddtree.ops import cuda_ext
+    except ImportError:  # the upstream series ships the Triton and torch paths
+        return False
     return cuda_ext.load() is not None
 
 
@@ -40,7 +42,9 @@ def available_backends(device: torch.device) -> list[str]:
     out = []
     if device.type == "cuda" and cuda_extension_available():
         out.append("cuda")
-    if _triton_usable() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if _triton_usable() and (
+        device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    ):
         out.append("triton")
     out.append("torch")
     return out
@@ -48,13 +52,17 @@ def available_backends(device: torch.device) -> list[str]:
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        raise ValueError(
+            f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}"
+        )
     usable = available_backends(device)
     if backend == "auto":
         # Under TRITON_INTERPRET the Triton "kernels" are numpy: correct but slow.
         return next(b for b in usable if not (b == "triton" and device.type != "cuda"))
     if backend not in usable:
-        raise ValueError(f"backend {backend!r} is not available on {device} (have {usable})")
+        raise ValueError(
+            f"backend {backend!r} is not available on {device} (have {usable})"
+        )
     return backend
 
 
@@ -70,7 +78,9 @@ def kernel_inputs(
     if params.top_k is None and params.top_p is None and params.min_p is None:
         return target_logits, params.temperature
     num_reqs, rows, vocab = target_logits.shape
-    row_req = torch.arange(num_reqs, device=target_logits.device).repeat_interleave(rows)
+    row_req = torch.arange(num_reqs, device=target_logits.device).repeat_interleave(
+        rows
+    )
     raw = target_logits.float().reshape(num_reqs * rows, vocab)
     processed = apply_sampling_params(raw.clone(), params.select(row_req))
     greedy_row = params.is_greedy[row_req].unsqueeze(1)

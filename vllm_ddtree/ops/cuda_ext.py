@@ -83,7 +83,8 @@ def tree_verify_cuda(
             dimension must be contiguous.
         tokens: [R, N + 1] int64 node tokens (row 0 = root, unused).
         next_token: [R, N + 1] int64 LCRS first child, -1 if none.
-        next_sibling: [R, N + 1] int64 LCRS next sibling in draft-rank order, -1 if none.
+        next_sibling: [R, N + 1] int64 LCRS next sibling in draft-rank order, -1 if
+            none.
         temperature: [R] float32; < 1e-5 means greedy (argmax of the raw row).
             ``None`` runs the greedy-only kernel (the coins are then not needed).
         node_coins: [R, N + 1] float32 uniforms in [0, 1), one per node.
@@ -113,10 +114,14 @@ def tree_verify_cuda(
         )
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
-        raise ValueError(f"logits must have shape [num_reqs, N + 1, vocab_size], got {shape}")
+        raise ValueError(
+            f"logits must have shape [num_reqs, N + 1, vocab_size], got {shape}"
+        )
     if isinstance(method, str):
         if method not in _METHODS:
-            raise ValueError(f"method must be one of {sorted(_METHODS)}, got {method!r}")
+            raise ValueError(
+                f"method must be one of {sorted(_METHODS)}, got {method!r}"
+            )
         method = _METHODS[method]
     max_depth = int(max_depth)
     if max_depth < 0:
@@ -132,7 +137,9 @@ def tree_verify_cuda(
         return t.to(device=device, dtype=torch.int64).contiguous()
 
     def as_float(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
+        return (
+            None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
+        )
 
     num_reqs = logits.shape[0]
     width = max_depth + 1

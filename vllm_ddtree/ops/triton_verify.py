@@ -7,8 +7,9 @@ bonus/correction token. This kernel runs one program per request and touches
 only the logits rows its walk visits (at most ``L + 1`` of the ``N + 1``), so no
 ``[R, N + 1, V]`` probability buffer is ever materialized.
 
-It reproduces :func:`vllm_ddtree.verify.verify_tree_torch` exactly (integer
-outputs), with the canonical arithmetic of :mod:`vllm_ddtree.verify`:
+It reproduces :func:`vllm_ddtree.verify.verify_tree_torch` exactly
+(integer outputs), with the canonical arithmetic of
+:mod:`vllm_ddtree.verify`:
 
 * ``z = logits.float() / T`` (IEEE division; greedy rows are not divided and take
   the first index of the maximum), ``e = exp(z - max z)`` in float32;
@@ -113,7 +114,8 @@ def _row_max(row_ptr, vocab, t, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _row_total(row_ptr, vocab, t, m, excluded, tok_ptr, sib_ptr, BLOCK_V: tl.constexpr):
-    """float64 sum of e over the row, without the tokens of the ``excluded`` sibling list."""
+    """float64 sum of e over the row, without the tokens of the ``excluded``
+    sibling list."""
     total = tl.full([], 0.0, tl.float64)
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
@@ -124,8 +126,9 @@ def _row_total(row_ptr, vocab, t, m, excluded, tok_ptr, sib_ptr, BLOCK_V: tl.con
 
 
 @triton.jit
-def _inverse_cdf(row_ptr, vocab, t, m, u, total, excluded, tok_ptr, sib_ptr,
-                 BLOCK_V: tl.constexpr):
+def _inverse_cdf(
+    row_ptr, vocab, t, m, u, total, excluded, tok_ptr, sib_ptr, BLOCK_V: tl.constexpr
+):
     """int64 first index whose prefix sum of e (excluded tokens 0) is > u * total.
 
     Falls back to the last index with e > 0 (vocab - 1 if none). Stops scanning at
@@ -153,7 +156,8 @@ def _inverse_cdf(row_ptr, vocab, t, m, u, total, excluded, tok_ptr, sib_ptr,
 
 @triton.jit
 def _child_with_token(child, token, tok_ptr, sib_ptr):
-    """int64 first child (LCRS order from ``child``) whose token is ``token``, else -1."""
+    """int64 first child (LCRS order from ``child``) whose token is ``token``,
+    else -1."""
     found = tl.full([], -1, tl.int64)
     while (child >= 0) & (found < 0):
         found = tl.where(tl.load(tok_ptr + child) == token, child, found)
@@ -162,7 +166,9 @@ def _child_with_token(child, token, tok_ptr, sib_ptr):
 
 
 @triton.jit
-def _rejection_child(child, row_ptr, vocab, t, m, coin, total, ts, ta, tok_ptr, sib_ptr):
+def _rejection_child(
+    child, row_ptr, vocab, t, m, coin, total, ts, ta, tok_ptr, sib_ptr
+):
     """int64 first child accepted by target-only rejection, else -1."""
     bound = coin.to(tl.float64) * total * ta
     single = ts * total
@@ -236,23 +242,46 @@ def _tree_verify_kernel(
             total = _row_total(row_ptr, vocab, t, m, none, tok_ptr, sib_ptr, BLOCK_V)
             coin = tl.load(coin_ptr + cur)
             if METHOD == 0:
-                token = _inverse_cdf(row_ptr, vocab, t, m, coin, total, none, tok_ptr,
-                                     sib_ptr, BLOCK_V)
+                token = _inverse_cdf(
+                    row_ptr, vocab, t, m, coin, total, none, tok_ptr, sib_ptr, BLOCK_V
+                )
                 nxt = _child_with_token(first, token, tok_ptr, sib_ptr)
             else:
-                nxt = _rejection_child(first, row_ptr, vocab, t, m, coin, total, ts, ta,
-                                       tok_ptr, sib_ptr)
+                nxt = _rejection_child(
+                    first, row_ptr, vocab, t, m, coin, total, ts, ta, tok_ptr, sib_ptr
+                )
                 if nxt < 0:
                     # Residual draw: the target without the (rejected) children.
                     final_coin = tl.load(final_coins_ptr + b)
-                    residual = _row_total(row_ptr, vocab, t, m, children, tok_ptr, sib_ptr,
-                                          BLOCK_V)
+                    residual = _row_total(
+                        row_ptr, vocab, t, m, children, tok_ptr, sib_ptr, BLOCK_V
+                    )
                     if residual > 0.0:
-                        token = _inverse_cdf(row_ptr, vocab, t, m, final_coin, residual,
-                                             children, tok_ptr, sib_ptr, BLOCK_V)
+                        token = _inverse_cdf(
+                            row_ptr,
+                            vocab,
+                            t,
+                            m,
+                            final_coin,
+                            residual,
+                            children,
+                            tok_ptr,
+                            sib_ptr,
+                            BLOCK_V,
+                        )
                     else:  # all mass on rejected children: float rounding only
-                        token = _inverse_cdf(row_ptr, vocab, t, m, final_coin, total, none,
-                                             tok_ptr, sib_ptr, BLOCK_V)
+                        token = _inverse_cdf(
+                            row_ptr,
+                            vocab,
+                            t,
+                            m,
+                            final_coin,
+                            total,
+                            none,
+                            tok_ptr,
+                            sib_ptr,
+                            BLOCK_V,
+                        )
         walking = nxt >= 0
         if walking:
             committed = tl.where(cols == depth, tl.load(tok_ptr + nxt), committed)
@@ -321,7 +350,11 @@ def tree_verify_triton(
         (accepted_indices [R, L + 1], committed_tokens [R, L + 1], num_accepted [R]),
         all int64, as :func:`vllm_ddtree.verify.verify_tree_torch`.
     """
-    if logits.dim() != 3 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if logits.dim() != 3 or logits.dtype not in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    ):
         raise ValueError(
             f"logits must be [R, N + 1, V] float32/float16/bfloat16, got "
             f"{tuple(logits.shape)} {logits.dtype}"
@@ -347,7 +380,9 @@ def tree_verify_triton(
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     if method not in (0, 1):
-        raise ValueError(f"method must be 0 (sample_walk) or 1 (rejection), got {method}")
+        raise ValueError(
+            f"method must be 0 (sample_walk) or 1 (rejection), got {method}"
+        )
     if block_v is None:
         block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     if block_v < 1 or block_v & (block_v - 1):

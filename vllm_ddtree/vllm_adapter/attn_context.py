@@ -145,7 +145,7 @@ class TreeAttentionBatch:
     def __post_init__(self) -> None:
         self.requests = tuple(self.requests)
         idx = [r.req_index for r in self.requests]
-        if any(b <= a for a, b in zip(idx, idx[1:])):
+        if any(b <= a for a, b in zip(idx, idx[1:], strict=False)):
             raise ValueError(
                 f"tree requests must be listed in increasing batch order, got {idx}"
             )
@@ -206,7 +206,11 @@ class TreeAttentionBatch:
         def as_list(x):
             return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
-        starts, qsl, lens = as_list(block_starts), as_list(query_start_loc), as_list(seq_lens)
+        starts, qsl, lens = (
+            as_list(block_starts),
+            as_list(query_start_loc),
+            as_list(seq_lens),
+        )
         rows, reqs, offs, sizes, prefix = [], [], [], [], []
         for r, n in enumerate(num_drafts):
             if n == 0 and not include_root_only:
@@ -239,10 +243,11 @@ class TreeAttentionBatch:
 
         Args:
             moves: ``(src_rows, dst_rows)``, equal-length int tensors (or lists),
-                e.g. ``vllm_ddtree.commit.plan_commit(...)``'s ``src_rows`` and
-                ``dst_rows``. Self-moves (src == dst) are skipped. Moves must be
-                race-free as a gather-then-scatter: every source is read from the
-                stash (the K/V the forward computed), never from the cache.
+                e.g. the ``src_rows`` and ``dst_rows`` of
+                ``vllm_ddtree.commit.plan_commit(...)``. Self-moves
+                (src == dst) are skipped. Moves must be race-free as a
+                gather-then-scatter: every source is read from the stash (the
+                K/V the forward computed), never from the cache.
             row_space: ``"tree"`` (default): indices into the concatenated tree
                 rows (see the module doc); ``"batch"``: the forward's query rows.
 
@@ -255,7 +260,8 @@ class TreeAttentionBatch:
         dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1).cpu()
         if src.shape != dst.shape:
             raise ValueError(
-                f"src_rows and dst_rows differ in length: {src.numel()} vs {dst.numel()}"
+                "src_rows and dst_rows differ in length: "
+                f"{src.numel()} vs {dst.numel()}"
             )
         keep = src != dst
         src, dst = src[keep], dst[keep]
@@ -271,9 +277,11 @@ class TreeAttentionBatch:
         elif row_space != "tree":
             raise ValueError(f"row_space must be 'tree' or 'batch', got {row_space!r}")
         m = self.num_tree_rows
-        if int(src.min()) < 0 or int(dst.min()) < 0 or max(
-            int(src.max()), int(dst.max())
-        ) >= m:
+        if (
+            int(src.min()) < 0
+            or int(dst.min()) < 0
+            or max(int(src.max()), int(dst.max())) >= m
+        ):
             raise IndexError(f"commit_kv: a row is outside the {m} tree rows")
         for layer_stash in self.stash.values():
             layer_stash.write(src, dst)
@@ -281,9 +289,7 @@ class TreeAttentionBatch:
 
     def _batch_to_tree_rows(self, rows: torch.Tensor) -> torch.Tensor:
         batch_rows = next(iter(self.stash.values())).batch_rows
-        lookup = torch.full(
-            (int(batch_rows.max()) + 1,), -1, dtype=torch.int64
-        )
+        lookup = torch.full((int(batch_rows.max()) + 1,), -1, dtype=torch.int64)
         lookup[batch_rows] = torch.arange(batch_rows.numel())
         if int(rows.min()) < 0 or int(rows.max()) >= lookup.numel():
             raise IndexError("commit_kv: a batch row is not a tree row")
@@ -329,7 +335,9 @@ def last() -> TreeAttentionBatch | None:
 
 
 @contextlib.contextmanager
-def tree_attention(batch: TreeAttentionBatch | None) -> Iterator[TreeAttentionBatch | None]:
+def tree_attention(
+    batch: TreeAttentionBatch | None,
+) -> Iterator[TreeAttentionBatch | None]:
     """``with tree_attention(batch):`` sets it for the block, then restores."""
     global _CURRENT
     previous = _CURRENT

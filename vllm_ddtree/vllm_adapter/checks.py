@@ -30,10 +30,13 @@ def check_target_and_platform(target_model_config) -> None:
     if not supports_eagle3(model_cls):
         raise ValueError(
             f"ddtree needs a target that returns aux hidden states for the DFlash "
-            f"drafter (vLLM's SupportsEagle3: Llama, Qwen2, Qwen3, ...); {arch} does not"
+            "drafter (vLLM's SupportsEagle3: Llama, Qwen2, Qwen3, ...); "
+            f"{arch} does not"
         )
     if getattr(target_model_config, "uses_mrope", False):
-        raise ValueError("ddtree does not support M-RoPE targets (positions are per depth)")
+        raise ValueError(
+            "ddtree does not support M-RoPE targets (positions are per depth)"
+        )
     if getattr(target_model_config, "is_hybrid", False):
         raise ValueError(
             "ddtree does not support hybrid (recurrent-state) targets: their state "

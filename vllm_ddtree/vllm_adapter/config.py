@@ -69,16 +69,20 @@ def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
     :class:`DDTreeConfig`. Raises ValueError naming the offending key.
     """
     if spec.get("method") != DDTREE_METHOD:
-        stray = sorted(k for k in spec if str(k).replace("-", "_").startswith("ddtree_"))
+        stray = sorted(
+            k for k in spec if str(k).replace("-", "_").startswith("ddtree_")
+        )
         if stray:
             raise ValueError(
-                f"speculative_config keys {stray} need \"method\": \"ddtree\" "
+                f'speculative_config keys {stray} need "method": "ddtree" '
                 f"(got method={spec.get('method')!r})"
             )
         return None
     unknown = sorted(
-        k for k in spec if k.replace("-", "_").startswith("ddtree") and
-        k.replace("-", "_") not in DDTREE_KEYS
+        k
+        for k in spec
+        if k.replace("-", "_").startswith("ddtree")
+        and k.replace("-", "_") not in DDTREE_KEYS
     )
     if unknown:
         raise ValueError(
@@ -88,7 +92,7 @@ def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
     if not spec.get("model"):
         raise ValueError(
             'speculative_config with "method": "ddtree" needs "model": the path of a '
-            "DFlash drafter checkpoint (the format vLLM's \"dflash\" method loads)"
+            'DFlash drafter checkpoint (the format vLLM\'s "dflash" method loads)'
         )
     budget = spec.get("num_speculative_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -109,12 +113,16 @@ def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
 
 def _validate(cfg: DDTreeConfig) -> None:
     if cfg.draft_len is not None and (
-        isinstance(cfg.draft_len, bool) or not isinstance(cfg.draft_len, int)
+        isinstance(cfg.draft_len, bool)
+        or not isinstance(cfg.draft_len, int)
         or cfg.draft_len < 1
     ):
-        raise ValueError(f"ddtree_draft_len must be an integer >= 1, got {cfg.draft_len!r}")
+        raise ValueError(
+            f"ddtree_draft_len must be an integer >= 1, got {cfg.draft_len!r}"
+        )
     if cfg.max_children is not None and (
-        isinstance(cfg.max_children, bool) or not isinstance(cfg.max_children, int)
+        isinstance(cfg.max_children, bool)
+        or not isinstance(cfg.max_children, int)
         or cfg.max_children < 1
     ):
         raise ValueError(

@@ -35,8 +35,6 @@ import math
 import threading
 
 import torch
-import torch.nn.functional as F
-
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -57,7 +55,7 @@ __all__ = [
     "unpack_prefix",
 ]
 
-BACKEND_PATH = "vllm_ddtree.vllm_adapter.cpu_attention.DDTreeCPUAttentionBackend"
+BACKEND_PATH = f"{__name__}.DDTreeCPUAttentionBackend"
 
 
 # --------------------------------------------------------------------------------
@@ -175,7 +173,8 @@ def packed_layout(
                 except Exception as e:  # the op refused the configuration
                     raise PackedLayoutError(
                         f"probing the CPU KV-cache layout failed for isa={isa!r}, "
-                        f"dtype={dtype}, block_size={block_size}, head_dim={head_dim}: {e}"
+                        f"dtype={dtype}, block_size={block_size}, "
+                        f"head_dim={head_dim}: {e}"
                     ) from e
                 _self_test(isa, dtype, int(block_size), int(head_dim), *layout)
                 _LAYOUTS[key] = layout
@@ -268,7 +267,11 @@ class _ForwardPlan:
                     f"cache position {linear_root} (seq_len {seq_lens[r]}, query "
                     f"rows {q_len}, offset {req.row_offset})"
                 )
-            ids = metadata.block_table[r, : -(-(nc + t) // block_size)].to(torch.int64).clone()
+            ids = (
+                metadata.block_table[r, : -(-(nc + t) // block_size)]
+                .to(torch.int64)
+                .clone()
+            )
             visibility = req.visibility.to("cpu")
             causal = torch.ones(t, t, dtype=torch.bool).tril()
             fix = torch.nonzero((visibility != causal).any(dim=1)).flatten()
@@ -297,8 +300,14 @@ class _ForwardPlan:
         for _, t, nc, ids, _ in self.entries:
             pos = torch.arange(nc + t)
             plain = (pos % block_size).view(-1, 1) * head_dim + torch.arange(head_dim)
-            base = (ids[pos // block_size].view(1, -1, 1) * num_kv_heads + heads) * 2 * region
-            out.append(torch.stack([base + k_index[plain], base + region + v_index[plain]]))
+            base = (
+                (ids[pos // block_size].view(1, -1, 1) * num_kv_heads + heads)
+                * 2
+                * region
+            )
+            out.append(
+                torch.stack([base + k_index[plain], base + region + v_index[plain]])
+            )
         self._gather[key] = out
         return out
 
@@ -388,14 +397,21 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         out_all = output.view(output.shape[0], num_heads, -1)
         flat_cache = kv_cache.reshape(-1)  # a view: per-layer caches are contiguous
         indices = plan.gather_indices(kv_cache, isa) if plan.entries else []
-        for (rows_fixed, _, _, _, bias), index in zip(plan.entries, indices):
+        for (rows_fixed, _, _, _, bias), index in zip(
+            plan.entries, indices, strict=True
+        ):
             # [2, Hkv, nc + t, D]: K and V of the committed prefix and the tree
             # block in one gather from the paged, ISA-packed cache.
             kv = flat_cache.index_select(0, index.view(-1)).view(index.shape).float()
             # Plain softmax attention, GQA by grouping query heads per KV head:
             # about 2x faster than torch SDPA with a mask at these sizes on CPU.
             rows = rows_fixed.numel()
-            q = q_all[rows_fixed].float().transpose(0, 1).reshape(num_kv_heads, group * rows, -1)
+            q = (
+                q_all[rows_fixed]
+                .float()
+                .transpose(0, 1)
+                .reshape(num_kv_heads, group * rows, -1)
+            )
             scores = torch.bmm(q, kv[0].transpose(1, 2)).mul_(self.scale)
             scores = scores.view(num_kv_heads, group, rows, -1).add_(bias)
             probs = torch.softmax(scores.view(num_kv_heads, group * rows, -1), dim=-1)
@@ -433,10 +449,18 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
 def register_tree_attention_backend() -> None:
     """Makes ``AttentionBackendEnum.CPU_ATTN`` resolve to the DDTree backend.
 
-    Idempotent. Must run in every process that builds a model (engine core and
-    workers) before the model's attention layers are created.
+    Idempotent. Runs in the worker when a ddtree runner is built, before the
+    model's attention layers are created. Outside trees the DDTree backend is
+    the stock one, so engines built later in the process (ddtree or not) may
+    share it; engines built earlier keep the class they resolved.
     """
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
 
     if AttentionBackendEnum.CPU_ATTN.get_path() != BACKEND_PATH:
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        # The selector caches resolved classes per configuration.
+        selector._cached_get_attn_backend.cache_clear()

@@ -3,8 +3,9 @@
 
 ``DFlashProposer`` drafts the whole block in one pass and keeps only the argmax
 per position. ``DDTreeProposer`` keeps the per-position logits of that pass and
-builds the DDTree of each request on device (:func:`vllm_ddtree.tree.build_ddtree`,
-no host sync), rooted at the request's bonus token. The scheduler receives the
+builds the DDTree of each request on device
+(:func:`vllm_ddtree.tree.build_ddtree`, no host sync), rooted at the
+request's bonus token. The scheduler receives the
 tree's B node tokens in node order (parents first, best first), so any prefix it
 keeps is itself a valid tree; the structure stays in the worker
 (:attr:`last_tree`).
@@ -24,8 +25,9 @@ __all__ = ["DDTreeProposer"]
 class DDTreeProposer(DFlashProposer):
     """DFlash drafting + DDTree construction (https://arxiv.org/abs/2604.12989)."""
 
-    def __init__(self, vllm_config, device: torch.device, ddtree: DDTreeConfig,
-                 runner=None):
+    def __init__(
+        self, vllm_config, device: torch.device, ddtree: DDTreeConfig, runner=None
+    ):
         super().__init__(vllm_config, device, runner)
         self.ddtree = ddtree
         # Drafted positions per request: the tree's maximum depth.

@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 
-
 class DDTreeUnsupportedParameterError(VLLMValidationError, ValueError):
     """A request asks for a sampling feature ddtree does not support.
 
@@ -67,7 +66,10 @@ def _refuse(parameter: str, value: Any, why: str) -> None:
     )
 
 
-_HISTORY = "its effect depends on the tokens generated so far, and ddtree verifies a tree of draft paths"
+_HISTORY = (
+    "its effect depends on the tokens generated so far, and ddtree verifies a tree "
+    "of draft paths"
+)
 
 
 def check_sampling_params(params, vocab_size: int | None = None) -> None:
@@ -83,17 +85,26 @@ def check_sampling_params(params, vocab_size: int | None = None) -> None:
     if params.bad_words:
         _refuse("bad_words", params.bad_words, _HISTORY)
     if params.structured_outputs is not None:
-        _refuse("structured_outputs", _set_fields(params.structured_outputs),
-                "guided decoding (json, regex, choice, grammar, response_format) needs "
-                "the grammar state of every draft path")
+        _refuse(
+            "structured_outputs",
+            _set_fields(params.structured_outputs),
+            "guided decoding (json, regex, choice, grammar, response_format) needs "
+            "the grammar state of every draft path",
+        )
     if getattr(params, "thinking_token_budget", None) is not None:
         _refuse("thinking_token_budget", params.thinking_token_budget, _HISTORY)
     if getattr(params, "logprob_token_ids", None) is not None:
-        _refuse("logprob_token_ids", params.logprob_token_ids,
-                "only logprobs=<k> is implemented for tree verification")
+        _refuse(
+            "logprob_token_ids",
+            params.logprob_token_ids,
+            "only logprobs=<k> is implemented for tree verification",
+        )
     if getattr(params, "prompt_logprob_token_ids", None) is not None:
-        _refuse("prompt_logprob_token_ids", "<array>",
-                "it needs vLLM's V2 model runner, and ddtree runs on V1")
+        _refuse(
+            "prompt_logprob_token_ids",
+            "<array>",
+            "it needs vLLM's V2 model runner, and ddtree runs on V1",
+        )
     if params.logit_bias and vocab_size is not None:
         bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
         if bad:
@@ -108,8 +119,11 @@ def check_sampling_params(params, vocab_size: int | None = None) -> None:
 def _set_fields(obj) -> str:
     """``StructuredOutputsParams(json_object=True)``: the fields that are set."""
     fields = getattr(obj, "__dataclass_fields__", None) or {}
-    shown = [f"{name}={getattr(obj, name)!r}" for name in fields
-             if not name.startswith("_") and getattr(obj, name, None) not in (None, False)]
+    shown = [
+        f"{name}={getattr(obj, name)!r}"
+        for name in fields
+        if not name.startswith("_") and getattr(obj, name, None) not in (None, False)
+    ]
     text = f"{type(obj).__name__}({', '.join(shown)})"
     return text if len(text) <= 200 else text[:197] + "..."
 

@@ -9,11 +9,13 @@ A step of vLLM's V1 runner with ddtree on:
    ``root position + depth``, and the tree attention batch is described.
 2. ``_model_forward``: the target runs with ancestor-only attention inside each
    tree (the attention backend reads the active tree batch).
-3. ``_sample``: tree verification (:func:`vllm_ddtree.verify.verify_tree`)
-   instead of the chain rejection sampler; its committed tokens have the chain
-   sampler's ``[R, W]`` ``-1``-padded shape, so vLLM's bookkeeping and scheduler
-   work unchanged (the scheduler rolls back ``drafts - accepted`` tokens). The
-   accepted path's K/V is then moved to contiguous slots (:mod:`vllm_ddtree.commit`).
+3. ``_sample``: tree verification
+   (:func:`vllm_ddtree.verify.verify_tree`) instead of the chain
+   rejection sampler; its committed tokens have the chain sampler's
+   ``[R, W]`` ``-1``-padded shape, so vLLM's bookkeeping and scheduler work
+   unchanged (the scheduler rolls back ``drafts - accepted`` tokens). The
+   accepted path's K/V is then moved to contiguous slots
+   (:mod:`vllm_ddtree.commit`).
 4. ``propose_draft_token_ids``: linear positions are restored and the accepted
    path's hidden states are moved first in each block, so the DFlash drafter sees
    exactly the committed sequence as context; the new trees are stashed.
@@ -42,7 +44,9 @@ def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
 
     cls = type(runner)
     if cls not in _MIXED_CLASSES:
-        _MIXED_CLASSES[cls] = type(f"DDTree{cls.__name__}", (DDTreeRunnerMixin, cls), {})
+        _MIXED_CLASSES[cls] = type(
+            f"DDTree{cls.__name__}", (DDTreeRunnerMixin, cls), {}
+        )
     runner.__class__ = _MIXED_CLASSES[cls]
     runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, ddtree, runner)
     runner._ddtree = ddtree
@@ -53,8 +57,12 @@ def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
     runner._ddtree_attn = None
     # Device-side counters (no sync): verify steps with a tree, and requests
     # whose accepted path left the chain (a sibling was accepted somewhere).
-    runner.ddtree_num_tree_verifies = torch.zeros((), dtype=torch.int64, device=runner.device)
-    runner.ddtree_num_branch_paths = torch.zeros((), dtype=torch.int64, device=runner.device)
+    runner.ddtree_num_tree_verifies = torch.zeros(
+        (), dtype=torch.int64, device=runner.device
+    )
+    runner.ddtree_num_branch_paths = torch.zeros(
+        (), dtype=torch.int64, device=runner.device
+    )
 
 
 class DDTreeRunnerMixin:
@@ -84,7 +92,11 @@ class DDTreeRunnerMixin:
         input_ids = self.input_ids.gpu[:total]
         roots = input_ids[torch.tensor(starts, device=input_ids.device)].tolist()
         step = build_step_trees(
-            req_ids, scheduled, query_start[1:], roots, self._ddtree_stash,
+            req_ids,
+            scheduled,
+            query_start[1:],
+            roots,
+            self._ddtree_stash,
             self.positions.device,
         )
 
@@ -146,8 +158,9 @@ class DDTreeRunnerMixin:
             target_logits = logits[:num_reqs].unsqueeze(1)
             if extras.has_constraints(self.input_batch.sampling_metadata):
                 target_logits = target_logits.clone()  # keep raw logits for logprobs
-            out, logprobs = _verify_batch(self, tree, target_logits, rows, logits, extras,
-                                          width=1)
+            out, logprobs = _verify_batch(
+                self, tree, target_logits, rows, logits, extras, width=1
+            )
             return SamplerOutput(
                 sampled_token_ids=out.committed_tokens[:, :1].to(torch.int32),
                 logprobs_tensors=logprobs,
@@ -166,7 +179,9 @@ class DDTreeRunnerMixin:
         total = int(self._ddtree_linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
         if self._ddtree_attn.requests:
-            self._ddtree_attn.commit_kv((plan.src_rows, plan.dst_rows), row_space="batch")
+            self._ddtree_attn.commit_kv(
+                (plan.src_rows, plan.dst_rows), row_space="batch"
+            )
         self._ddtree_attn.release()
         self._ddtree_plan = plan
         self.ddtree_num_tree_verifies += len(self._ddtree_attn.requests)
@@ -176,10 +191,18 @@ class DDTreeRunnerMixin:
             logprobs_tensors=logprobs,
         )
 
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
-                                sampling_metadata, hidden_states, sample_hidden_states,
-                                aux_hidden_states, spec_decode_metadata,
-                                common_attn_metadata, slot_mappings):
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
         plan = self._ddtree_plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -187,16 +210,25 @@ class DDTreeRunnerMixin:
             # siblings' draft K/V on the accepted path's slots.
             self.positions[:total] = self._ddtree_linear_positions
             if aux_hidden_states is not None:
-                aux_hidden_states = [_permute_rows(h, plan.hidden_perm) for h in aux_hidden_states]
+                aux_hidden_states = [
+                    _permute_rows(h, plan.hidden_perm) for h in aux_hidden_states
+                ]
         draft = super().propose_draft_token_ids(
-            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-            sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-            common_attn_metadata, slot_mappings,
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            slot_mappings,
         )
         if self.drafter.last_tree is not None:
             num_reqs = self.input_batch.num_reqs
-            self._ddtree_stash.put(list(self.input_batch.req_ids[:num_reqs]),
-                                   self.drafter.last_tree)
+            self._ddtree_stash.put(
+                list(self.input_batch.req_ids[:num_reqs]), self.drafter.last_tree
+            )
             self.drafter.last_tree = None
         self._ddtree_step = None
         self._ddtree_plan = None
@@ -210,8 +242,9 @@ def _permute_rows(hidden: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _sampling_params(metadata, num_reqs: int, device,
-                     min_p: list[float] | None = None) -> TreeSamplingParams:
+def _sampling_params(
+    metadata, num_reqs: int, device, min_p: list[float] | None = None
+) -> TreeSamplingParams:
     """vLLM SamplingMetadata (+ the per-request min_p, which vLLM leaves out of it
     under speculative decoding) -> TreeSamplingParams. Seeded coins are passed to
     verify_tree separately, so no generators."""
@@ -222,8 +255,9 @@ def _sampling_params(metadata, num_reqs: int, device,
         temperature=metadata.temperature[:num_reqs].float(),
         top_k=None if top_k is None else top_k[:num_reqs].to(torch.int64),
         top_p=None if metadata.top_p is None else metadata.top_p[:num_reqs].float(),
-        min_p=None if min_p is None else torch.tensor(min_p, dtype=torch.float32,
-                                                      device=device),
+        min_p=None
+        if min_p is None
+        else torch.tensor(min_p, dtype=torch.float32, device=device),
     )
 
 
@@ -254,8 +288,11 @@ class _BatchExtras:
 
     def has_constraints(self, metadata) -> bool:
         """Whether the target logits get edited (bias, allowed ids, min_tokens)."""
-        return bool(self.logit_bias or metadata.allowed_token_ids_mask is not None
-                    or _min_tokens_state(metadata))
+        return bool(
+            self.logit_bias
+            or metadata.allowed_token_ids_mask is not None
+            or _min_tokens_state(metadata)
+        )
 
 
 def _scan_requests(runner, num_reqs: int) -> _BatchExtras:
@@ -314,11 +351,14 @@ def _warn_unsupported(metadata) -> None:
 
             init_logger(__name__).error(
                 "ddtree does not apply %s, but a request using it reached the worker "
-                "(request-time validation was bypassed); its output ignores them", name)
+                "(request-time validation was bypassed); its output ignores them",
+                name,
+            )
 
 
-def _apply_constraints(target: torch.Tensor, depths: torch.Tensor, metadata,
-                       extras: _BatchExtras) -> None:
+def _apply_constraints(
+    target: torch.Tensor, depths: torch.Tensor, metadata, extras: _BatchExtras
+) -> None:
     """In place on target [R, rows, V]: the logit edits vLLM's sampler makes before
     temperature, per tree node. logit_bias and allowed_token_ids act on every node;
     min_tokens masks the stop tokens at the nodes of depth d with
@@ -338,8 +378,9 @@ def _apply_constraints(target: torch.Tensor, depths: torch.Tensor, metadata,
         remaining = min_tokens - len(output)
         if b >= num_reqs or remaining <= 0 or not stops:
             continue
-        ids = torch.tensor(sorted(t for t in stops if 0 <= t < vocab), dtype=torch.int64,
-                           device=device)
+        ids = torch.tensor(
+            sorted(t for t in stops if 0 <= t < vocab), dtype=torch.int64, device=device
+        )
         kept = target[b][:, ids]  # [rows, S] (a copy)
         masked = torch.where((depths[b] < remaining).unsqueeze(1), float("-inf"), kept)
         target[b, :, ids] = masked
@@ -347,8 +388,15 @@ def _apply_constraints(target: torch.Tensor, depths: torch.Tensor, metadata,
         target[b, :, ids] = torch.where(dead, kept, masked)
 
 
-def _verify_batch(runner, tree, target_logits: torch.Tensor, flat_rows: torch.Tensor,
-                  logits: torch.Tensor, extras: _BatchExtras, width: int | None = None):
+def _verify_batch(
+    runner,
+    tree,
+    target_logits: torch.Tensor,
+    flat_rows: torch.Tensor,
+    logits: torch.Tensor,
+    extras: _BatchExtras,
+    width: int | None = None,
+):
     """verify_tree with every request's own parameters -> (output, LogprobsTensors).
 
     ``target_logits`` [R, rows, V] may be edited in place; ``flat_rows`` [R, rows]
@@ -383,8 +431,9 @@ def _verify_batch(runner, tree, target_logits: torch.Tensor, flat_rows: torch.Te
         backend=ddtree.kernel_backend,
         validate=False,
     )
-    logprobs = _logprobs_tensors(runner, metadata, logits, flat_rows, target_logits,
-                                 out, params, width)
+    logprobs = _logprobs_tensors(
+        runner, metadata, logits, flat_rows, target_logits, out, params, width
+    )
     return out, logprobs
 
 
@@ -400,8 +449,9 @@ def _root_only_tree(num_reqs: int, device):
     if tree is None:
         if len(_ROOT_TREES) > 64:
             _ROOT_TREES.clear()
-        tree = tree_from_parents([[-1]] * num_reqs, [[0]] * num_reqs, max_depth=1,
-                                 device=device)
+        tree = tree_from_parents(
+            [[-1]] * num_reqs, [[0]] * num_reqs, max_depth=1, device=device
+        )
         _ROOT_TREES[key] = tree
     return tree
 
@@ -433,7 +483,7 @@ def counter_uniforms(seeds, counters):
     keys = _splitmix64(np.array([int(s) & _MASK64 for s in seeds], dtype=np.uint64))
     counters = np.asarray(counters, dtype=np.uint64)
     z = _splitmix64(keys[:, None] + counters * np.uint64(0x9E3779B97F4A7C15))
-    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def _seeded_coins(extras: _BatchExtras, tree, device):
@@ -457,7 +507,8 @@ def _seeded_coins(extras: _BatchExtras, tree, device):
     width = tree.max_depth + 1
     out_lens = np.array(extras.seeded_out_lens, dtype=np.int64)[:, None]
     counters = np.concatenate(
-        [2 * (out_lens + np.arange(width)[None, :]), 2 * out_lens + 1], axis=1)
+        [2 * (out_lens + np.arange(width)[None, :]), 2 * out_lens + 1], axis=1
+    )
     seeded = torch.from_numpy(counter_uniforms(extras.seeds, counters)).to(device)
     coins = torch.rand(num_reqs, rows + 1, device=device)
     node_coins = coins[:, :rows].contiguous()
@@ -469,8 +520,16 @@ def _seeded_coins(extras: _BatchExtras, tree, device):
     return node_coins, final_coins
 
 
-def _logprobs_tensors(runner, metadata, logits, flat_rows, target_logits, out, params,
-                      width: int | None = None):
+def _logprobs_tensors(
+    runner,
+    metadata,
+    logits,
+    flat_rows,
+    target_logits,
+    out,
+    params,
+    width: int | None = None,
+):
     """LogprobsTensors of the committed tokens, [R * W] rows (W = committed width,
     -1 placeholders included and filtered by vLLM's parse_output), like vLLM's
     rejection sampler: row j of request b is the target at the accepted node of

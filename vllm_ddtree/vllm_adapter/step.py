@@ -46,10 +46,15 @@ class TreeStash:
             del self._trees[req_id]
 
     def parents_for(self, req_id: str, scheduled: list[int]) -> list[int]:
-        """Parents (root first) of the scheduled drafts: the stored tree's or a chain."""
+        """Parents (root first) of the scheduled drafts: the stored tree's or a
+        chain."""
         stored = self._trees.get(req_id)
         n = len(scheduled)
-        if stored is not None and len(stored[0]) >= n and stored[0][:n] == list(scheduled):
+        if (
+            stored is not None
+            and len(stored[0]) >= n
+            and stored[0][:n] == list(scheduled)
+        ):
             return stored[1][: n + 1]
         return [-1] + list(range(n))
 
@@ -93,7 +98,9 @@ def build_step_trees(
         starts.append(query_end[b] - n - 1)
     depth = _max_depth(parents)
     tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1), device=device)
-    return StepTrees(tree, torch.tensor(starts, dtype=torch.int64, device=device), num_drafts)
+    return StepTrees(
+        tree, torch.tensor(starts, dtype=torch.int64, device=device), num_drafts
+    )
 
 
 def _max_depth(parents: list[list[int]]) -> int:

