@@ -8,10 +8,10 @@ states, drafter loading, parallel drafting, lookahead KV slots) keys on
 (``EngineArgs.create_speculative_config``), the ``ddtree_*`` keys are taken out,
 the engine runs its DFlash plumbing, and a :class:`DDTreeConfig` rides along on
 the ``SpeculativeConfig`` instance (it survives pickling to engine and worker
-processes). The upstream patch series (``patches/``) adds the method in-tree.
+processes).
 
 This module must import cheaply and without vLLM: configs are unpickled in new
-processes before plugins load.
+processes before the rest of ddtree is imported.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class DDTreeConfig:
     max_children: int | None = None
     """Draft tokens considered per depth, hence children per node at most (the
     paper's K; default min(B, vocab)). 1 verifies the DFlash argmax chain with
-    this project's lossless sampler."""
+    the lossless tree sampler."""
     kernel_backend: str = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""

@@ -1,14 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The four vLLM 0.32 methods ddtree hooks into, as decorators.
+"""The four vLLM methods ddtree hooks into, as decorators.
 
-One definition serves both deliveries:
-
-* the plugin (:mod:`vllm_ddtree.vllm_adapter.patches`) applies each decorator to
-  the vLLM method at run time;
-* the upstream patch series (``patches/``, made by ``scripts/make_patches.py``)
-  copies this module into vLLM and puts the same decorator on the same method.
-
-The hooked methods and their decorators:
+Keeping the integration to four decorators keeps every ddtree code path out of
+vLLM's hot paths when ddtree is off. (The vllm-ddtree plugin applies the same
+decorators at run time.) The hooked methods and their decorators:
 
 * ``EngineArgs.create_speculative_config``: :func:`speculative_config_hook`;
 * ``VllmConfig._get_v2_model_runner_unsupported_features``:

@@ -24,6 +24,7 @@ A step of vLLM's V1 runner with ddtree on:
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.commit import CommitPlan, plan_commit
@@ -34,6 +35,8 @@ from vllm_ddtree.vllm_adapter.config import DDTreeConfig
 from vllm_ddtree.vllm_adapter.step import StepTrees, TreeStash, build_step_trees
 
 __all__ = ["DDTreeRunnerMixin", "enable_ddtree"]
+
+logger = init_logger(__name__)
 
 _MIXED_CLASSES: dict[type, type] = {}
 
@@ -347,9 +350,7 @@ def _warn_unsupported(metadata) -> None:
     for name in found:
         if name not in _warned:
             _warned.add(name)
-            from vllm.logger import init_logger
-
-            init_logger(__name__).error(
+            logger.error(
                 "ddtree does not apply %s, but a request using it reached the worker "
                 "(request-time validation was bypassed); its output ignores them",
                 name,
