@@ -286,23 +286,30 @@ def ruff(tree: Path, files: list[str]) -> None:
 # Commit messages
 # --------------------------------------------------------------------------- #
 
-BENCH_MD = REPO / "benchmarks" / "results" / "real_cpu.md"
+BENCH_JSON = REPO / "benchmarks" / "results" / "real_cpu.json"
 
 
 def _bench_table() -> str:
-    """The headline table of the committed real-model benchmark."""
-    if not BENCH_MD.exists():
-        return "(benchmarks/results/real_cpu.md not committed yet)"
-    text = BENCH_MD.read_text()
-    lines = text.splitlines()
-    start = next((i for i, s in enumerate(lines) if s.startswith("|")), None)
-    if start is None:
-        return "(no table in benchmarks/results/real_cpu.md)"
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    command = next((s for s in lines if "bench_real.py" in s), "").strip("`> ")
-    return "\n".join(lines[start:end]) + (f"\n\nCommand: {command}" if command else "")
+    """A compact table of the committed real-model benchmark (batch 1)."""
+    if not BENCH_JSON.exists():
+        return "(benchmarks/results/real_cpu.json not committed yet)"
+    result = json.loads(BENCH_JSON.read_text())
+    rows = [r for r in result["rows"] if r["batch"] == 1]
+    rows.sort(key=lambda r: r["temperature"])  # stable: method order kept
+    lines = ["    T  method        tau    tok/s", "    -  ----------   -----  ------"]
+    for r in rows:
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(
+            f"    {r['temperature']:.0f}  {r['method']:<11}  {tau:>5}  "
+            f"{r['tokens_per_s']:6.1f}"
+        )
+    args = result.get("args", {})
+    lines.append(
+        f"\n    ({args.get('prompts_per_dataset')} prompts x "
+        f"{len(args.get('datasets', []))} datasets, {args.get('max_tokens')} new "
+        "tokens, batch 1)"
+    )
+    return "\n".join(lines)
 
 
 MESSAGES = {
