@@ -1,0 +1,672 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree attention for the DDTree verify pass over vLLM's paged KV cache.
+
+In the verify forward, request ``r`` has ``prefix_lens[r]`` committed tokens
+(sequence positions ``0 .. p - 1``) followed by its draft tree's
+``tree_lens[r]`` rows (positions ``p .. p + t - 1``). As everywhere in vLLM, the
+forward writes the tree rows' K/V into the paged cache before attention runs,
+so every key of the request is read through its block table. Tree row ``i``
+attends to
+
+* every prefix key (position ``< p``), and
+* tree key ``j`` (position ``p + j``) iff bit ``j`` of row ``i`` of the
+  request's ancestor mask is set: a node sees itself and its ancestors only,
+  never its siblings' subtrees.
+
+The mask is :attr:`vllm_ddtree.tree.DraftTree.visibility_packed` as is:
+``[num_reqs, max_tree_rows, ceil(max_tree_rows / 32)]`` int32, bit ``j % 32``
+(little-endian, bit 31 is the sign bit) of word ``j // 32`` of row ``i`` is
+column ``j``. A request uses the top-left ``t x t`` corner of its slice.
+
+Two implementations with one contract:
+
+* :func:`tree_attention_reference`: gathers K/V in torch, builds the boolean
+  mask and calls ``scaled_dot_product_attention`` in float32, one request at a
+  time (host synchronizes; the test oracle).
+* :func:`tree_attention_triton`: one Triton program per (request, block of
+  ``BLOCK_Q`` tree rows, KV head). The ``G`` query heads that share the KV
+  head are folded with the tree rows into the program's ``BLOCK_Q * G`` query
+  rows, so each K/V tile read through the block table is reused by all of
+  them in one tensor-core ``tl.dot``, and the (long) prefix is read once per
+  row block instead of once per query row. Online softmax in float32 runs over
+  the prefix in ``BLOCK_N``-key tiles (bounds mask only), then over the tree
+  keys in ``BLOCK_T``-key tiles with the ancestor bits (all ``t`` of them: any
+  mask works, not only lower-triangular ones). The launch needs only
+  the mask's static shape (``max_tree_rows``); lengths are read on device, so
+  the wrapper never synchronizes.
+
+Query rows that belong to no request (e.g. CUDA-graph padding past
+``query_start_loc[-1]``) are returned as zeros, as are rows that see no key at
+all (possible only with ``prefix_len == 0`` and a mask row without its own
+diagonal bit).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["tree_attention_reference", "tree_attention_triton"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        try:
+            return bool(knobs.runtime.interpret)
+        except AttributeError:
+            pass
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# --------------------------------------------------------------------------- #
+# Input validation (shared by both implementations)
+# --------------------------------------------------------------------------- #
+
+
+def _check_tensor(
+    name: str,
+    x: object,
+    dim: int,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None,
+) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        allowed = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be {allowed}, got {x.dtype}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be on {device} (query's device), got {x.device}")
+    return x
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask_bits: torch.Tensor,
+    scale: float,
+) -> None:
+    """Shapes, dtypes and devices; reads no tensor values (no host sync)."""
+    _check_tensor("query", query, 3, _FLOAT_DTYPES, None)
+    device = query.device
+    _, num_q_heads, head_dim = query.shape
+    _check_tensor("key_cache", key_cache, 4, (query.dtype,), device)
+    _check_tensor("value_cache", value_cache, 4, (query.dtype,), device)
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if block_size < 1 or num_kv_heads < 1:
+        raise ValueError(
+            "key_cache must be [num_blocks, block_size >= 1, num_kv_heads >= 1, "
+            f"head_dim], got {tuple(key_cache.shape)}"
+        )
+    if cache_head_dim != head_dim:
+        raise ValueError(
+            f"key_cache head_dim ({cache_head_dim}) must equal query's ({head_dim})"
+        )
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"query's num_heads ({num_q_heads}) must be a multiple of key_cache's "
+            f"num_kv_heads ({num_kv_heads})"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache must have key_cache's shape {tuple(key_cache.shape)}, got "
+            f"{tuple(value_cache.shape)}"
+        )
+    _check_tensor("prefix_lens", prefix_lens, 1, _INDEX_DTYPES, device)
+    num_reqs = prefix_lens.shape[0]
+    for name, x, shape in (
+        ("tree_lens", tree_lens, (num_reqs,)),
+        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+    ):
+        _check_tensor(name, x, 1, _INDEX_DTYPES, device)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    _check_tensor("block_table", block_table, 2, _INDEX_DTYPES, device)
+    if block_table.shape[0] != num_reqs:
+        raise ValueError(
+            f"block_table must have num_reqs={num_reqs} rows, got "
+            f"{tuple(block_table.shape)}"
+        )
+    _check_tensor("tree_mask_bits", tree_mask_bits, 3, (torch.int32,), device)
+    max_rows = tree_mask_bits.shape[1]
+    if tree_mask_bits.shape[0] != num_reqs or tree_mask_bits.shape[2] != (
+        (max_rows + 31) // 32
+    ):
+        raise ValueError(
+            "tree_mask_bits must be [num_reqs, max_tree_rows, "
+            f"ceil(max_tree_rows / 32)] with num_reqs={num_reqs}, got "
+            f"{tuple(tree_mask_bits.shape)}"
+        )
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+    ):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+
+
+def _check_values(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask_bits: torch.Tensor,
+) -> None:
+    """Lengths, offsets and used block ids. Synchronizes with the device."""
+    num_blocks, block_size = key_cache.shape[:2]
+    max_rows = tree_mask_bits.shape[1]
+    prefix = prefix_lens.long()
+    tree = tree_lens.long()
+    qsl = query_start_loc.long()
+    if bool((prefix < 0).any()):
+        raise ValueError("prefix_lens must be >= 0")
+    if bool(((tree < 0) | (tree > max_rows)).any()):
+        raise ValueError(
+            f"tree_lens must be in [0, max_tree_rows={max_rows}] (tree_mask_bits)"
+        )
+    if bool((qsl[1:] - qsl[:-1] != tree).any()) or not (
+        int(qsl[0]) >= 0 and int(qsl[-1]) <= query.shape[0]
+    ):
+        raise ValueError(
+            "query_start_loc must give each request tree_lens[r] rows within "
+            f"query's {query.shape[0]} tokens"
+        )
+    needed = (prefix + tree + block_size - 1) // block_size  # [num_reqs]
+    if bool((needed > block_table.shape[1]).any()):
+        raise ValueError(
+            "block_table has too few columns for prefix_lens + tree_lens with "
+            f"block_size={block_size}"
+        )
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols.unsqueeze(0) < needed.unsqueeze(1)
+    ids = block_table.long()[used]
+    if bool(((ids < 0) | (ids >= num_blocks)).any()):
+        raise ValueError(f"block_table's used entries must be in [0, {num_blocks})")
+
+
+def _unpack_tree_mask(words: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """[..., ceil(n / 32)] int32 packed rows -> [..., num_cols] bool."""
+    cols = torch.arange(num_cols, device=words.device)
+    # An arithmetic shift of a negative word still leaves the wanted bit at 0.
+    return ((words[..., cols // 32] >> (cols % 32)) & 1).bool()
+
+
+# --------------------------------------------------------------------------- #
+# Torch reference
+# --------------------------------------------------------------------------- #
+
+
+def tree_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask_bits: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Tree attention in torch, one request at a time, in float32.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 query
+            rows of the tree tokens (RoPE already applied).
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim] paged keys
+            (vLLM's FlashAttention layout, any strides), query's dtype;
+            ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head
+            ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+        value_cache: like ``key_cache``.
+        block_table: [num_reqs, max_blocks_per_req] int32/int64. Position ``s``
+            of request ``r`` lives at block ``block_table[r, s // block_size]``,
+            offset ``s % block_size``.
+        prefix_lens: [num_reqs] int32/int64 committed tokens per request.
+        tree_lens: [num_reqs] int32/int64 tree rows per request (root included),
+            at most ``max_tree_rows``; their K/V are already in the cache at
+            positions ``prefix_lens[r] ..``.
+        query_start_loc: [num_reqs + 1] int32/int64; request ``r``'s query rows
+            are ``query[query_start_loc[r]:query_start_loc[r + 1]]``.
+        tree_mask_bits: [num_reqs, max_tree_rows, ceil(max_tree_rows / 32)] int32
+            ancestor-or-self mask packed like
+            :func:`vllm_ddtree.tree.pack_visibility`.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are
+        zero.
+    """
+    _check_inputs(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        prefix_lens,
+        tree_lens,
+        query_start_loc,
+        tree_mask_bits,
+        scale,
+    )
+    _check_values(
+        query,
+        key_cache,
+        block_table,
+        prefix_lens,
+        tree_lens,
+        query_start_loc,
+        tree_mask_bits,
+    )
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    group = query.shape[1] // num_kv_heads
+    out = torch.zeros_like(query)
+    for r, (p, t, q0) in enumerate(
+        zip(
+            prefix_lens.tolist(),
+            tree_lens.tolist(),
+            query_start_loc[:-1].tolist(),
+            strict=True,
+        )
+    ):
+        if t == 0:
+            continue
+        pos = torch.arange(p + t, device=query.device)
+        blocks = block_table[r].long()[pos // block_size]
+        # [p + t, num_heads, head_dim]: each KV head repeated for its G q heads.
+        k = key_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
+        v = value_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
+        q = query[q0 : q0 + t].float()  # [t, num_heads, head_dim]
+        visible = torch.cat(
+            [
+                torch.ones(t, p, dtype=torch.bool, device=query.device),
+                _unpack_tree_mask(tree_mask_bits[r, :t], t),
+            ],
+            dim=1,
+        )  # [t, p + t]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=visible,
+            scale=float(scale),
+        ).transpose(0, 1)  # [t, num_heads, head_dim]
+        # SDPA returns NaN for a row that sees nothing; the contract says zero.
+        o = torch.where(visible.any(1)[:, None, None], o, 0.0)
+        out[q0 : q0 + t] = o.to(query.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Triton kernel
+# --------------------------------------------------------------------------- #
+
+
+@triton.jit
+def _mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """[M, K] @ [K, N] with float32 accumulation."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        # float32 inputs: the default would round them to TF32 on NVIDIA.
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _load_kv(
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    stride_bt,
+    pos,
+    key_ok,
+    kv_head,
+    offs_d,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V tiles, [BLOCK_N, HEAD_DIM] each, of sequence positions ``pos``."""
+    # BLOCK_SIZE is constexpr: // and % compile to shifts (or a multiply).
+    blk = tl.load(bt_row_ptr + (pos // BLOCK_SIZE) * stride_bt, mask=key_ok, other=0)
+    blk = blk.to(tl.int64)  # num_blocks * block stride can exceed int32
+    slot = pos % BLOCK_SIZE
+    k_off = (
+        blk[:, None] * stride_kb
+        + slot[:, None] * stride_ks
+        + kv_head * stride_kh
+        + offs_d[None, :] * stride_kd
+    )
+    v_off = (
+        blk[:, None] * stride_vb
+        + slot[:, None] * stride_vs
+        + kv_head * stride_vh
+        + offs_d[None, :] * stride_vd
+    )
+    k = tl.load(k_cache_ptr + k_off, mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + v_off, mask=key_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Folds one tile of log2-scaled scores ``s`` (-inf = hidden) into the state."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; subtracting 0 instead avoids
+    # -inf - -inf = NaN and still gives p = 0, alpha = 0 for it.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # P is rounded to V's dtype for the tensor-core dot, as in FlashAttention.
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, UPCAST, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim], contiguous
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # [num_reqs, max_blocks_per_req]
+    prefix_lens_ptr,  # [num_reqs]
+    tree_lens_ptr,  # [num_reqs]
+    query_start_loc_ptr,  # [num_reqs + 1]
+    mask_ptr,  # [num_reqs, max_tree_rows, num_words] int32
+    scale_log2,  # softmax scale * log2(e): exp2 replaces exp
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_btr,
+    stride_btb,
+    stride_mr,
+    stride_mi,
+    stride_mw,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two of GROUP
+    BLOCK_Q: tl.constexpr,  # tree rows per program
+    BLOCK_N: tl.constexpr,  # prefix keys per tile
+    BLOCK_T: tl.constexpr,  # tree keys per tile
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    UPCAST: tl.constexpr,  # dot in float32 (interpreter with bfloat16)
+    IEEE: tl.constexpr,  # float32 dot without TF32 rounding
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    req = tl.program_id(0)
+    row_start = tl.program_id(1) * BLOCK_Q
+    kv_head = tl.program_id(2)
+
+    tree_len = tl.load(tree_lens_ptr + req).to(tl.int32)
+    # The grid covers max_tree_rows; shorter trees leave trailing programs idle.
+    if row_start >= tree_len:
+        return
+    prefix_len = tl.load(prefix_lens_ptr + req).to(tl.int32)
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+
+    # Program row m is tree row row_start + m // GROUP_PAD, query head
+    # kv_head * GROUP + m % GROUP_PAD: rows of one KV group share every K/V tile.
+    offs_m = tl.arange(0, BLOCK_M)
+    tree_row = row_start + offs_m // GROUP_PAD  # [BLOCK_M]
+    head_in_group = offs_m % GROUP_PAD
+    row_ok = (tree_row < tree_len) & (head_in_group < GROUP)
+    q_head = kv_head * GROUP + head_in_group
+    token = q_start + tree_row  # int64
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr
+        + token[:, None] * stride_qt
+        + q_head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_btr
+
+    # Prefix: every tree row sees every committed key; only the tail tile masks.
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, prefix_len, BLOCK_N):
+        pos = start + offs_n
+        key_ok = pos < prefix_len
+        k, v = _load_kv(
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row_ptr,
+            stride_btb,
+            pos,
+            key_ok,
+            kv_head,
+            offs_d,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            BLOCK_SIZE,
+        )
+        s = _mma(q, tl.trans(k), UPCAST, IEEE) * scale_log2
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, UPCAST, IEEE)
+
+    # Tree keys p + j: visible iff bit j of the row's packed ancestor mask is set.
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_row_ptr = mask_ptr + req.to(tl.int64) * stride_mr + tree_row * stride_mi
+    for j_start in range(0, tree_len, BLOCK_T):
+        j = j_start + offs_t
+        key_ok = j < tree_len
+        k, v = _load_kv(
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row_ptr,
+            stride_btb,
+            prefix_len + j,
+            key_ok,
+            kv_head,
+            offs_d,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            BLOCK_SIZE,
+        )
+        words = tl.load(
+            mask_row_ptr[:, None] + (j[None, :] // 32) * stride_mw,
+            mask=row_ok[:, None] & key_ok[None, :],
+            other=0,
+        )  # [BLOCK_M, BLOCK_T] int32
+        visible = ((words >> (j[None, :] % 32)) & 1) != 0
+        s = _mma(q, tl.trans(k), UPCAST, IEEE) * scale_log2
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, UPCAST, IEEE)
+
+    # l == 0 only for a row that saw no key (or a padding row): output 0.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr
+        + token[:, None] * stride_ot
+        + q_head[:, None] * stride_oh
+        + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def _check_block(name: str, value: int, minimum: int) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or value & (value - 1)
+    ):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
+    return value
+
+
+def tree_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask_bits: torch.Tensor,
+    scale: float,
+    *,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    block_t: int | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Tree attention with one Triton program per (request, row block, KV head).
+
+    Same arguments, contract and result as :func:`tree_attention_reference`
+    (which documents them), plus:
+
+    Args:
+        block_q: tree rows per program, a power of two; the program's query tile
+            is ``block_q * next_power_of_2(G)`` rows (G = num_heads //
+            num_kv_heads). Default: about 64 query rows, at least 16 (the
+            smallest tensor-core tile), at most the (padded) tree.
+        block_n: prefix keys per tile, a power of two (default 64).
+        block_t: tree keys per tile, a power of two (default
+            ``next_power_of_2(max_tree_rows)`` clamped to [16, 64]).
+        validate: also check lengths, offsets and block ids against the tensors
+            (synchronizes with the device; off on the hot path).
+
+    ``head_dim`` must be a power of two (``tl.arange``). Tiles and head_dim below
+    16 are accepted only under ``TRITON_INTERPRET=1``: ``tl.dot`` needs 16 on
+    GPUs. float32 inputs use IEEE dots (no TF32 rounding); float16/bfloat16 use
+    tensor cores with float32 accumulation, P rounded to V's dtype.
+    """
+    _check_inputs(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        prefix_lens,
+        tree_lens,
+        query_start_loc,
+        tree_mask_bits,
+        scale,
+    )
+    if validate:
+        _check_values(
+            query,
+            key_cache,
+            block_table,
+            prefix_lens,
+            tree_lens,
+            query_start_loc,
+            tree_mask_bits,
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    num_reqs, max_rows = tree_mask_bits.shape[:2]
+    min_tile = 1 if _interpreting() else 16
+    _check_block("query's head_dim", head_dim, min_tile)
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if block_q is None:
+        target = max(64 // group_pad, 1)
+        floor = max(16 // group_pad, 1)
+        block_q = max(min(target, triton.next_power_of_2(max(max_rows, 1))), floor)
+    _check_block("block_q", block_q, 1)
+    if block_q * group_pad < min_tile:
+        raise ValueError(
+            f"block_q * next_power_of_2(G) must be >= {min_tile}, got {block_q} * "
+            f"{group_pad}"
+        )
+    block_n = _check_block("block_n", 64 if block_n is None else block_n, min_tile)
+    if block_t is None:
+        block_t = min(max(triton.next_power_of_2(max(max_rows, 1)), 16), 64)
+    _check_block("block_t", block_t, min_tile)
+
+    # Zero-filled: rows of no request (CUDA-graph padding) stay defined.
+    out = torch.zeros(
+        (num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device
+    )
+    if num_reqs == 0 or max_rows == 0 or num_tokens == 0:
+        return out
+    is_fp32 = query.dtype == torch.float32
+    # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw
+    # uint16 bits; upcast them there (the rounding of P to bfloat16 is kept).
+    upcast = _interpreting() and query.dtype == torch.bfloat16
+    grid = (num_reqs, triton.cdiv(max_rows, block_q), num_kv_heads)
+    _tree_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        # [num_reqs], [num_reqs], [num_reqs + 1]: read with unit stride.
+        prefix_lens.contiguous(),
+        tree_lens.contiguous(),
+        query_start_loc.contiguous(),
+        tree_mask_bits,
+        float(scale) * _LOG2E,
+        *query.stride(),
+        out.stride(0),
+        out.stride(1),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_table.stride(),
+        *tree_mask_bits.stride(),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_T=block_t,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        UPCAST=upcast,
+        IEEE=is_fp32 or upcast,
+        num_warps=4,
+    )
+    return out
