@@ -15,10 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.logger import init_logger
 
 from vllm_ddtree.tree import DraftTree, tree_from_parents
 
 __all__ = ["TreeStash", "StepTrees", "build_step_trees"]
+
+logger = init_logger(__name__)
 
 
 class TreeStash:
@@ -56,6 +59,15 @@ class TreeStash:
             and stored[0][:n] == list(scheduled)
         ):
             return stored[1][: n + 1]
+        if stored is not None and n > 0 and not any(scheduled):
+            # vLLM 0.32's scheduler replaces every draft of a request by token 0
+            # when its drafts would not fit under max_model_len.
+            logger.warning_once(
+                "ddtree: vLLM blanked the draft tree of a request whose prompt + "
+                "output + num_speculative_tokens exceeds max_model_len; such steps "
+                "accept nothing. Leave num_speculative_tokens of room under "
+                "max_model_len to keep the speed-up near the end of long requests."
+            )
         return [-1] + list(range(n))
 
 
