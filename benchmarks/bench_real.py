@@ -218,10 +218,12 @@ def load_prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
 def run_method(name, spec, args, target, prompt_sets, timers) -> list[dict]:
     import vllm
 
-    # Room for the verify block too: vLLM 0.32 replaces every draft of a request with
-    # token 0 when its drafts do not fit under max_model_len (measured: B = 256 with
-    # max_model_len 592 gave tau 1.0, with 864 tau 2.2), which looked like an
-    # acceptance cliff at large budgets.
+    # Room for the verify block and the drafter's block: vLLM 0.32 replaces every
+    # draft of the *batch* with token 0 when the longest sequence plus the drafter's
+    # query does not fit under max_model_len (measured: B = 256 with max_model_len
+    # 592 gave tau 1.0, with 864 tau 2.2), which looked like an acceptance cliff at
+    # large budgets. The ddtree runner sizes that query as draft_len + 1 (vLLM
+    # assumes B + 1), so B + 32 spare positions are enough here.
     budget = (spec or {}).get("num_speculative_tokens", 0)
     llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
                    max_model_len=args.max_prompt_tokens + args.max_tokens + budget + 32,

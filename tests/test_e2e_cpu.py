@@ -47,12 +47,12 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(250) for _ in range(rng.randrange(2, 40))] for _ in range(n)]
 
 
-def generate(target, prompt_ids, speculative_config=None, **kw):
+def generate(target, prompt_ids, speculative_config=None, max_model_len=512, **kw):
     llm = vllm.LLM(
         model=target,
         dtype="float32",
         enforce_eager=True,
-        max_model_len=512,
+        max_model_len=max_model_len,
         disable_log_stats=False,
         speculative_config=speculative_config,
         seed=0,
@@ -109,6 +109,28 @@ def test_oracle_pair_accepts_everything(models, reference):
     assert out == ref["oracle"]
     mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
     assert mean_acceptance >= 0.9 * BLOCK_SIZE, stats
+
+
+def test_large_budget_needs_room_for_the_block_only(models, reference):
+    """A budget B needs B + draft_len + 2 free positions under max_model_len, not
+    the 2B + 2 vLLM reserves for a DFlash chain of B drafts (which blanks every
+    draft of the batch: the oracle pair would then accept nothing)."""
+    p, ref = reference
+    budget = 64
+    longest = max(len(x) for x in p) + MAX_TOKENS
+    max_model_len = longest + budget + (BLOCK_SIZE - 1) + 8
+    # vLLM's chain rule would refuse drafts long before the end of generation.
+    assert longest + 2 * budget + 2 > max_model_len + MAX_TOKENS
+    out, stats = generate(
+        models["oracle"][0],
+        p,
+        ddtree(models["oracle"][1], budget),
+        max_model_len=max_model_len,
+    )
+    assert out == ref["oracle"]
+    # Oracle drafts are right along the whole block: L of every L + 1 tokens.
+    emitted = len(p) * MAX_TOKENS
+    assert stats["accepted"] >= 0.6 * emitted, stats
 
 
 @pytest.mark.parametrize("max_children", [None, 1])

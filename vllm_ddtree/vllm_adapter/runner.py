@@ -75,6 +75,19 @@ class DDTreeRunnerMixin:
     _ddtree_linear_positions: torch.Tensor | None
     _ddtree_plan: CommitPlan | None
 
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        # vLLM blanks every draft of the batch unless the longest sequence plus
+        # the drafter's query fits under max_model_len, and sizes that query as
+        # num_speculative_tokens + 1 (a DFlash chain). The ddtree drafter queries
+        # its block, draft_len + 1 rows, whatever the tree budget B: without this
+        # a budget B needed 2B + 2 free positions instead of B + draft_len + 2.
+        if common_attn_metadata is None:
+            return False
+        return (
+            common_attn_metadata.max_seq_len + self._ddtree.draft_len + 1
+            <= self.effective_drafter_max_model_len
+        )
+
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._ddtree_step = None
