@@ -44,27 +44,18 @@ diagonal bit).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm_ddtree.ops.triton_verify import _interpreting
 
 __all__ = ["tree_attention_reference", "tree_attention_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        try:
-            return bool(knobs.runtime.interpret)
-        except AttributeError:
-            pass
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 # --------------------------------------------------------------------------- #
