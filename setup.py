@@ -1,11 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """vllm-ddtree: DDTree speculative decoding for vLLM.
 
-The CUDA extension (``vllm_ddtree._C``, sources in ``csrc/``) is built only when a
-CUDA toolchain and a CUDA build of torch are both present at build time (use
-``pip install -e . --no-build-isolation`` so the build sees the installed torch).
-Anything else installs the pure-Python package; the Triton and torch backends
-then serve every call. Set ``VLLM_DDTREE_NO_CUDA=1`` to skip the extension.
+Two optional compiled extensions (use ``pip install -e . --no-build-isolation`` so
+the build sees the installed torch):
+
+* ``vllm_ddtree._C_cpu`` (``csrc/cpu/``): the CPU tree builder, built wherever
+  torch and a C++ compiler are present. Set ``VLLM_DDTREE_NO_CPP=1`` to skip it.
+* ``vllm_ddtree._C`` (``csrc/*.cu``): the CUDA kernels, built only when a CUDA
+  toolchain and a CUDA build of torch are both present. Set
+  ``VLLM_DDTREE_NO_CUDA=1`` to skip it.
+
+A failed or skipped build never fails the install: the package then serves every
+call with its Triton and torch backends.
 """
 
 import os
@@ -14,42 +20,66 @@ import sys
 from setuptools import find_packages, setup
 
 
-def cuda_extension():
-    """([extensions], cmdclass) for csrc/, or ([], {}) when it cannot be built."""
-    if os.environ.get("VLLM_DDTREE_NO_CUDA") == "1":
-        return [], {}
+def _log(message: str) -> None:
+    print(f"vllm-ddtree: {message}", file=sys.stderr)
+
+
+def compiled_extensions():
+    """([extensions], cmdclass) for csrc/; ([], {}) when nothing can be built."""
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+        from torch.utils.cpp_extension import (
+            CUDA_HOME,
+            BuildExtension,
+            CppExtension,
+            CUDAExtension,
+        )
     except Exception as exc:  # no torch in the build environment
-        print(f"vllm-ddtree: skipping CUDA extension ({exc})", file=sys.stderr)
+        _log(f"skipping the compiled extensions ({exc})")
         return [], {}
-    if torch.version.cuda is None or CUDA_HOME is None:
-        print("vllm-ddtree: skipping CUDA extension (no CUDA torch or toolkit)", file=sys.stderr)
-        return [], {}
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     here = os.path.dirname(os.path.abspath(__file__))
-    ext = CUDAExtension(
-        name="vllm_ddtree._C",
-        sources=[os.path.join("csrc", "tree_verify.cu"), os.path.join("csrc", "bindings.cpp")],
-        include_dirs=[os.path.join(here, "csrc")],
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
-    )
+    extensions = []
+    if os.environ.get("VLLM_DDTREE_NO_CPP") != "1":
+        extensions.append(
+            CppExtension(
+                name="vllm_ddtree._C_cpu",
+                sources=[os.path.join("csrc", "cpu", "tree_build.cpp")],
+                # No -ffast-math: tree scores must round exactly like the torch
+                # builder's float32 additions.
+                extra_compile_args={"cxx": ["-O3"]},
+            )
+        )
+    if os.environ.get("VLLM_DDTREE_NO_CUDA") == "1":
+        pass
+    elif torch.version.cuda is None or CUDA_HOME is None:
+        _log("skipping the CUDA extension (no CUDA torch or toolkit)")
+    else:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        extensions.append(
+            CUDAExtension(
+                name="vllm_ddtree._C",
+                sources=[
+                    os.path.join("csrc", "tree_verify.cu"),
+                    os.path.join("csrc", "bindings.cpp"),
+                ],
+                include_dirs=[os.path.join(here, "csrc")],
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+            )
+        )
 
     class OptionalBuildExtension(BuildExtension):
-        """A failed CUDA build must never fail the install: fall back to Triton/torch."""
+        """A failed extension build never fails the install (Triton/torch remain)."""
 
-        def run(self):
+        def build_extension(self, ext):
             try:
-                super().run()
+                super().build_extension(ext)
             except Exception as exc:
-                print(f"vllm-ddtree: CUDA extension build failed, skipped ({exc})",
-                      file=sys.stderr)
+                _log(f"building {ext.name} failed, skipped ({exc})")
 
-    return [ext], {"build_ext": OptionalBuildExtension}
+    return extensions, {"build_ext": OptionalBuildExtension}
 
 
-ext_modules, cmdclass = cuda_extension()
+ext_modules, cmdclass = compiled_extensions()
 
 setup(
     name="vllm-ddtree",

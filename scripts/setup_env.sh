@@ -14,7 +14,8 @@ fi
 # ruff (pinned: the generated patches depend on its formatter): vLLM's lint rules
 # for the upstream patch series (scripts/make_patches.py).
 EXTRAS="pytest numpy gguf accelerate matplotlib ruff==0.17.6"
-STAMP_WANT="$VLLM_PKG $EXTRAS $(sha1sum setup.py | cut -c1-12)"
+# The compiled extensions are rebuilt when setup.py or csrc/ change.
+STAMP_WANT="$VLLM_PKG $EXTRAS $(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-12)"
 STAMP=.venv/.ddtree-setup
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_WANT" ]; then
   exit 0

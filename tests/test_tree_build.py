@@ -1,13 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tree construction: vectorized builder == reference heap == brute force."""
+"""Tree construction: vectorized builder == reference heap == brute force.
+
+The vectorized tests run on both backends of :func:`build_ddtree` on CPU: the torch
+depth-wise build and the compiled heap (``vllm_ddtree._C_cpu``, csrc/cpu/).
+"""
 
 import itertools
+import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from vllm_ddtree import tree as tree_module
+from vllm_ddtree.ops import cpu_ext
 from vllm_ddtree.tree import (
+    BUILD_BACKENDS,
     DraftTree,
     build_ddtree,
     build_ddtree_reference,
@@ -27,6 +36,13 @@ FIELDS = [
     "visibility",
     "visibility_packed",
 ]
+
+
+@pytest.fixture(params=BUILD_BACKENDS)
+def backend(request) -> str:
+    if request.param == "cpp" and cpu_ext.load() is None:
+        pytest.skip(f"vllm_ddtree._C_cpu is not built: {cpu_ext.load_error()}")
+    return request.param
 
 
 def assert_same_tree(a: DraftTree, b: DraftTree) -> None:
@@ -68,11 +84,11 @@ CASES = [
 
 @pytest.mark.parametrize("kind", ["random", "ties", "certain", "uniform"])
 @pytest.mark.parametrize("num_reqs,depth,vocab,budget", CASES)
-def test_vectorized_equals_reference(kind, num_reqs, depth, vocab, budget):
+def test_vectorized_equals_reference(kind, num_reqs, depth, vocab, budget, backend):
     for seed in range(3):
         logits = random_logits(seed, num_reqs, depth, vocab, kind)
         roots = torch.arange(num_reqs) + 1
-        fast = build_ddtree(logits, budget, roots)
+        fast = build_ddtree(logits, budget, roots, backend=backend)
         ref = build_ddtree_reference(logits, budget, roots.tolist())
         assert_same_tree(fast, ref)
         possible = sum(vocab**d for d in range(1, depth + 1))
@@ -81,7 +97,7 @@ def test_vectorized_equals_reference(kind, num_reqs, depth, vocab, budget):
         assert fast.tokens[:, 0].tolist() == roots.tolist()
 
 
-def test_random_sweep_vectorized_equals_reference():
+def test_random_sweep_vectorized_equals_reference(backend):
     rng = np.random.default_rng(0)
     for seed in range(150):
         num_reqs = int(rng.integers(1, 5))
@@ -91,20 +107,21 @@ def test_random_sweep_vectorized_equals_reference():
         kind = ["random", "ties", "certain"][seed % 3]
         logits = random_logits(seed, num_reqs, depth, vocab, kind)
         assert_same_tree(
-            build_ddtree(logits, budget), build_ddtree_reference(logits, budget)
+            build_ddtree(logits, budget, backend=backend),
+            build_ddtree_reference(logits, budget),
         )
 
 
-def test_per_request_budgets():
+def test_per_request_budgets(backend):
     logits = random_logits(7, 4, 5, 9, "random")
     budgets = [0, 3, 17, 40]
-    fast = build_ddtree(logits, torch.tensor(budgets), max_budget=40)
+    fast = build_ddtree(logits, torch.tensor(budgets), max_budget=40, backend=backend)
     ref = build_ddtree_reference(logits, budgets)
     assert_same_tree(fast, ref)
     assert fast.num_nodes.tolist() == budgets
     # Each request's tree equals the one built alone with its own budget.
     for b, budget in enumerate(budgets):
-        alone = build_ddtree(logits[b : b + 1], budget)
+        alone = build_ddtree(logits[b : b + 1], budget, backend=backend)
         n = budget + 1
         assert torch.equal(fast.tokens[b, :n], alone.tokens[0])
         assert torch.equal(fast.parents[b, :n], alone.parents[0])
@@ -137,22 +154,24 @@ def tree_paths(tree: DraftTree, b: int) -> set[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("depth,vocab", [(1, 5), (2, 4), (3, 3), (4, 2)])
-def test_node_set_is_top_budget_by_brute_force(depth, vocab):
+def test_node_set_is_top_budget_by_brute_force(depth, vocab, backend):
     for seed in range(4):
         logits = random_logits(100 + seed, 1, depth, vocab, "random")
         possible = sum(vocab**d for d in range(1, depth + 1))
         for budget in sorted({1, 2, 5, possible // 2, possible, possible + 3}):
-            tree = build_ddtree(logits, budget)
+            tree = build_ddtree(logits, budget, backend=backend)
             assert tree_paths(tree, 0) == set(brute_force_top(logits[0], budget))
 
 
 @pytest.mark.parametrize("max_children", [1, 2, 3])
-def test_max_children_limits_ranks_per_depth(max_children):
+def test_max_children_limits_ranks_per_depth(max_children, backend):
     """max_children=K: the top-B prefixes whose every token is in its depth's top K."""
     for seed in range(4):
         logits = random_logits(200 + seed, 2, 4, 5, "random")
         for budget in (1, 6, 30, 200):
-            fast = build_ddtree(logits, budget, max_children=max_children)
+            fast = build_ddtree(
+                logits, budget, max_children=max_children, backend=backend
+            )
             assert_same_tree(
                 fast, build_ddtree_reference(logits, budget, max_children=max_children)
             )
@@ -165,7 +184,7 @@ def test_max_children_limits_ranks_per_depth(max_children):
                 ][:budget]
                 assert tree_paths(fast, b) == set(want)
     # K = 1 is the argmax chain.
-    chain = build_ddtree(logits, 3, max_children=1)
+    chain = build_ddtree(logits, 3, max_children=1, backend=backend)
     assert chain.parents[0].tolist() == [-1, 0, 1, 2]
     assert chain.tokens[0, 1:].tolist() == logits[0, :3].argmax(-1).tolist()
 
@@ -177,10 +196,10 @@ def test_max_children_rejects_bad_values():
             build_ddtree(logits, 4, max_children=bad)
 
 
-def test_tree_invariants():
+def test_tree_invariants(backend):
     logits = random_logits(3, 3, 8, 20, "ties")
     budget = 50
-    tree = build_ddtree(logits, budget)
+    tree = build_ddtree(logits, budget, backend=backend)
     lp, _ = draft_top_k(logits, min(budget, 20))
     lp_full = torch.log_softmax(logits.float(), dim=-1)
     for b in range(3):
@@ -237,8 +256,8 @@ def test_packed_visibility_bits():
     assert torch.equal(unpacked, vis)
 
 
-def test_position_offsets_are_depths():
-    tree = build_ddtree(random_logits(1, 2, 4, 6, "random"), 12)
+def test_position_offsets_are_depths(backend):
+    tree = build_ddtree(random_logits(1, 2, 4, 6, "random"), 12, backend=backend)
     assert torch.equal(tree.position_offsets, tree.depths)
     assert int(tree.depths.max()) <= 4
 
@@ -278,3 +297,91 @@ def test_position_offsets_are_depths():
 def test_bad_input(logits, budget, match):
     with pytest.raises(ValueError, match=match):
         build_ddtree(logits, budget)
+
+
+# ------------------------------------------------- the compiled CPU builder (cpp)
+
+
+def require_cpp() -> None:
+    if cpu_ext.load() is None:
+        pytest.skip(f"vllm_ddtree._C_cpu is not built: {cpu_ext.load_error()}")
+
+
+def test_cpp_builder_is_built_where_a_compiler_exists():
+    """A broken C++ build must not pass CI silently as 'skipped'."""
+    if os.environ.get("VLLM_DDTREE_NO_CPP") == "1":
+        pytest.skip("VLLM_DDTREE_NO_CPP=1: the extension was not built on purpose")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: setup.py cannot build vllm_ddtree._C_cpu")
+    assert cpu_ext.load() is not None, cpu_ext.load_error()
+    assert build_ddtree(random_logits(0, 1, 2, 3, "random"), 2).num_nodes.item() == 2
+    assert tree_module._resolve_build_backend("auto", torch.device("cpu")) == "cpp"
+
+
+def test_cpp_equals_torch_on_large_random_trees():
+    """Sizes past the reference's reach: B up to 512, L = 15, V = 1000, 32-bit
+    words of the packed mask crossed many times."""
+    require_cpp()
+    for seed, (num_reqs, budget, kind) in enumerate(
+        [(3, 512, "random"), (4, 257, "ties"), (2, 300, "certain"), (5, 33, "random")]
+    ):
+        logits = random_logits(300 + seed, num_reqs, 15, 1000, kind) * 0.5
+        roots = torch.arange(num_reqs) + 7
+        budgets = torch.randint(0, budget + 1, (num_reqs,))
+        for b in (budget, budgets):
+            kwargs = {"max_budget": budget} if isinstance(b, torch.Tensor) else {}
+            assert_same_tree(
+                build_ddtree(logits, b, roots, backend="cpp", **kwargs),
+                build_ddtree(logits, b, roots, backend="torch", **kwargs),
+            )
+
+
+def test_cpp_equals_torch_on_raw_top_k_inputs():
+    """What the proposer may pass with validate=False: a wider, non-contiguous
+    top-k slice, int32 ids, -inf log-probs (masked vocabulary), budgets outside
+    [0, max_budget]."""
+    require_cpp()
+    logits = random_logits(9, 4, 6, 50, "random")
+    lp, ids = draft_top_k(logits, 40)
+    lp[1, 2, 3:] = float("-inf")  # request 1: 3 tokens possible at depth 3
+    lp[2, 0, 1:] = float("-inf")  # request 2: a chain at depth 1
+    lp[3, 4, :] = float("-inf")  # request 3: nothing below depth 4
+    top_k = (lp, ids.to(torch.int32))
+    budgets = torch.tensor([-3, 80, 25, 500])
+    trees = [
+        build_ddtree(
+            logits,
+            budgets,
+            torch.tensor([1, 2, 3, 4]),
+            max_budget=30,
+            top_k=top_k,
+            max_children=k,
+            validate=False,
+            backend=backend,
+        )
+        for k in (None, 2)
+        for backend in BUILD_BACKENDS
+    ]
+    assert_same_tree(trees[0], trees[1])
+    assert_same_tree(trees[2], trees[3])
+    assert trees[0].num_nodes[0] == 0 and trees[0].num_nodes[3] == 30
+    assert int(trees[0].depths[3].max()) == 4  # -inf ends request 3 at depth 4
+    assert not torch.isinf(trees[0].scores[1:, 1:][trees[0].parents[1:, 1:] >= 0]).any()
+
+
+def test_cpp_backend_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        build_ddtree(random_logits(0, 1, 2, 3, "random"), 2, backend="cuda")
+    meta = torch.zeros(1, 2, 3, device="meta")
+    with pytest.raises(ValueError, match="backend 'cpp' needs CPU tensors"):
+        build_ddtree(meta, 2, validate=False, backend="cpp")
+    require_cpp()
+    op = torch.ops.vllm_ddtree.build_tree_cpu
+    lp, ids = draft_top_k(random_logits(0, 2, 3, 4, "random"), 4)
+    budgets, roots = torch.tensor([2, 2]), torch.tensor([0, 0])
+    with pytest.raises(RuntimeError, match="log_probs must be a contiguous"):
+        op(lp.double(), ids, budgets, roots, 2)
+    with pytest.raises(RuntimeError, match="token_ids must be a contiguous int64"):
+        op(lp, ids.int(), budgets, roots, 2)
+    with pytest.raises(RuntimeError, match="budgets must be"):
+        op(lp, ids, budgets[:1], roots, 2)

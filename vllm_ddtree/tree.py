@@ -29,6 +29,9 @@ Two builders return identical :class:`DraftTree` s:
   synchronization and no Python loop over requests or nodes. Depth ``d`` keeps the
   top ``B`` children of depth ``d - 1``'s top ``B`` (exact, see
   :func:`_candidate_pairs`), then one top ``B`` over all depths picks the tree.
+  On CPU tensors it uses the compiled heap of ``csrc/cpu/tree_build.cpp`` when
+  that extension is built (backend ``"cpp"``): there the torch build's time is
+  per-operator overhead (a dozen small ops per depth), not arithmetic.
 """
 
 from __future__ import annotations
@@ -41,12 +44,16 @@ import numpy as np
 import torch
 
 __all__ = [
+    "BUILD_BACKENDS",
     "DraftTree",
     "build_ddtree",
     "build_ddtree_reference",
     "draft_top_k",
     "tree_from_parents",
 ]
+
+
+BUILD_BACKENDS = ("cpp", "torch")
 
 
 @dataclass
@@ -223,6 +230,7 @@ def build_ddtree(
     top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_children: int | None = None,
     validate: bool = True,
+    backend: str = "auto",
 ) -> DraftTree:
     """Builds the DDTree of every request, batched and on device.
 
@@ -238,14 +246,19 @@ def build_ddtree(
             at most (the paper's K = min(B, V) when None). 1 gives the DFlash
             chain (the argmax path, truncated to B nodes).
         validate: check values (NaN/inf) too; this synchronizes with the device.
+        backend: ``"cpp"`` (CPU tensors, the compiled ``vllm_ddtree._C_cpu``
+            heap), ``"torch"`` (any device, the depth-wise top-B below) or
+            ``"auto"`` (``"cpp"`` where it can run, else ``"torch"``). Both return
+            the same tree.
 
     Returns:
         The :class:`DraftTree` with N = max budget node rows per request.
     """
     _check_draft_logits(draft_logits, validate)
     num_reqs, depth_limit, vocab = draft_logits.shape
-    cap, per_req_budget = _resolve_budget(budget, num_reqs, max_budget)
     device = draft_logits.device
+    backend = _resolve_build_backend(backend, device)
+    cap, per_req_budget = _resolve_budget(budget, num_reqs, max_budget)
     if cap == 0:
         return _empty_tree(num_reqs, depth_limit, root_token_ids, device)
 
@@ -254,6 +267,10 @@ def build_ddtree(
         log_probs, token_ids = draft_top_k(draft_logits, k)
     else:
         log_probs, token_ids = top_k[0][..., :k].float(), top_k[1][..., :k]
+    if backend == "cpp":
+        return _build_ddtree_cpp(
+            log_probs, token_ids, cap, per_req_budget, root_token_ids
+        )
 
     # Per depth, the top `cap` nodes in tie-break order: their scores, and which
     # (parent position in the previous depth's list, draft rank) pair made each.
@@ -324,6 +341,85 @@ def build_ddtree(
     )
     num_nodes = valid.sum(dim=1)
     return _finish_tree(tokens, parents, depths, scores, num_nodes, depth_limit)
+
+
+@functools.cache
+def _cpp_build_op():
+    """``(torch.ops.vllm_ddtree.build_tree_cpu or None, why not)``."""
+    try:
+        from vllm_ddtree.ops import cpu_ext
+    except ImportError as exc:  # the upstream series ships the torch builder only
+        return None, str(exc)
+    ops = cpu_ext.load()
+    return (None, cpu_ext.load_error()) if ops is None else (ops.build_tree_cpu, None)
+
+
+def _resolve_build_backend(backend: str, device: torch.device) -> str:
+    if backend not in BUILD_BACKENDS + ("auto",):
+        raise ValueError(
+            f"backend must be 'auto' or one of {BUILD_BACKENDS}, got {backend!r}"
+        )
+    if backend == "torch":
+        return backend
+    op, why = _cpp_build_op()
+    if device.type == "cpu" and op is not None:
+        return "cpp"
+    if backend == "cpp":
+        raise ValueError(
+            "backend 'cpp' needs CPU tensors and the vllm_ddtree._C_cpu extension "
+            f"(device {device}; extension: {why or 'loaded'})"
+        )
+    return "torch"
+
+
+def _build_ddtree_cpp(
+    log_probs: torch.Tensor,
+    token_ids: torch.Tensor,
+    cap: int,
+    per_req_budget: torch.Tensor | None,
+    root_token_ids: torch.Tensor | None,
+) -> DraftTree:
+    """The tree from the compiled heap (``csrc/cpu/tree_build.cpp``)."""
+    num_reqs, depth_limit, _ = log_probs.shape
+    if per_req_budget is None:
+        budgets = torch.full((num_reqs,), cap, dtype=torch.int64)
+    else:
+        budgets = per_req_budget.to(device="cpu", dtype=torch.int64).contiguous()
+    if root_token_ids is None:
+        roots = torch.zeros(num_reqs, dtype=torch.int64)
+    else:
+        roots = root_token_ids.to(device="cpu", dtype=torch.int64).reshape(num_reqs)
+    (
+        tokens,
+        parents,
+        depths,
+        scores,
+        num_nodes,
+        retrieve_index,
+        first_child,
+        next_sibling,
+        visibility,
+        visibility_packed,
+    ) = _cpp_build_op()[0](
+        log_probs.contiguous(),
+        token_ids.to(torch.int64).contiguous(),
+        budgets,
+        roots.contiguous(),
+        cap,
+    )
+    return DraftTree(
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        scores=scores,
+        num_nodes=num_nodes,
+        retrieve_index=retrieve_index,
+        retrieve_next_token=first_child,
+        retrieve_next_sibling=next_sibling,
+        visibility=visibility,
+        visibility_packed=visibility_packed,
+        max_depth=depth_limit,
+    )
 
 
 def _children_per_depth(cap: int, vocab: int, max_children: int | None) -> int:

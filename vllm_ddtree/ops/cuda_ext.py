@@ -16,10 +16,9 @@ Operators (``torch.ops.vllm_ddtree``):
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
+
+from vllm_ddtree.ops.extension import load_extension
 
 __all__ = ["load", "load_error", "tree_verify_cuda"]
 
@@ -28,15 +27,8 @@ _METHODS = {"sample_walk": 0, "rejection": 1}
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.cache
 def _load() -> tuple[object | None, str | None]:
-    try:
-        importlib.import_module(_EXTENSION)
-        ops = torch.ops.vllm_ddtree
-        ops.tree_verify  # noqa: B018  (raises if the library did not register it)
-    except Exception as exc:  # ImportError, OSError (ABI mismatch), AttributeError, ...
-        return None, f"{type(exc).__name__}: {exc}"
-    return ops, None
+    return load_extension(_EXTENSION, "tree_verify")
 
 
 def load():
@@ -54,8 +46,8 @@ def load_error() -> str | None:
 
 
 def _clear_cache() -> None:
-    """Forgets the cached load result (tests)."""
-    _load.cache_clear()
+    """Forgets the cached load results (tests)."""
+    load_extension.cache_clear()
 
 
 def tree_verify_cuda(
