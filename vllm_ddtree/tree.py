@@ -246,10 +246,10 @@ def build_ddtree(
             at most (the paper's K = min(B, V) when None). 1 gives the DFlash
             chain (the argmax path, truncated to B nodes).
         validate: check values (NaN/inf) too; this synchronizes with the device.
-        backend: ``"cpp"`` (CPU tensors, the compiled ``vllm_ddtree._C_cpu``
-            heap), ``"torch"`` (any device, the depth-wise top-B below) or
-            ``"auto"`` (``"cpp"`` where it can run, else ``"torch"``). Both return
-            the same tree.
+        backend: ``"cpp"`` (CPU tensors, the compiled heap of
+            ``csrc/cpu/tree_build.cpp``), ``"torch"`` (any device, the depth-wise
+            top-B below) or ``"auto"`` (``"cpp"`` where it can run, else
+            ``"torch"``). Both return the same tree.
 
     Returns:
         The :class:`DraftTree` with N = max budget node rows per request.
@@ -345,7 +345,7 @@ def build_ddtree(
 
 @functools.cache
 def _cpp_build_op():
-    """``(torch.ops.vllm_ddtree.build_tree_cpu or None, why not)``."""
+    """``(the compiled build_tree_cpu operator or None, why not)``."""
     try:
         from vllm_ddtree.ops import cpu_ext
     except ImportError as exc:  # the upstream series ships the torch builder only
@@ -366,7 +366,7 @@ def _resolve_build_backend(backend: str, device: torch.device) -> str:
         return "cpp"
     if backend == "cpp":
         raise ValueError(
-            "backend 'cpp' needs CPU tensors and the vllm_ddtree._C_cpu extension "
+            "backend 'cpp' needs CPU tensors and the compiled CPU extension "
             f"(device {device}; extension: {why or 'loaded'})"
         )
     return "torch"

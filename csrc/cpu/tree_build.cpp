@@ -50,6 +50,9 @@ struct ComesAfter {
     if (a.score != b.score) return a.score < b.score;
     if (a.depth != b.depth) return a.depth > b.depth;
     if (a.parent_pos != b.parent_pos) return a.parent_pos > b.parent_pos;
+    // Never reached between two heap entries (a parent has at most one child in
+    // the heap at a time: the next sibling enters when its elder leaves); kept so
+    // that the comparator spells out the whole order.
     return a.rank > b.rank;
   }
 };
