@@ -51,12 +51,15 @@ import torch
 
 __all__ = [
     "LayerKVStash",
+    "PagedCacheStash",
     "TreeAttentionBatch",
     "TreeRequest",
     "clear",
     "commit_kv",
     "current",
     "last",
+    "override_attention_backend",
+    "refuse_unsupported",
     "set",
     "tree_attention",
 ]
@@ -131,6 +134,23 @@ class LayerKVStash:
 
 
 @dataclass
+class PagedCacheStash:
+    """One attention layer's paged cache, for the in-cache commit (GPU backend).
+
+    Nothing is copied: the forward already wrote every tree row's K/V to its slot,
+    so the commit moves entries inside the cache (all layers in one launch of
+    :func:`vllm_ddtree.ops.kv_commit.commit_kv_triton`).
+    """
+
+    # [2, num_blocks, block_size, Hkv, D] view of the layer's cache (K, V).
+    kv_cache: torch.Tensor
+    # [num_tokens] the forward's cache slot of every batch row.
+    slot_mapping: torch.Tensor
+    # [M] batch row of every tree row (tree-row order).
+    batch_rows: torch.Tensor
+
+
+@dataclass
 class TreeAttentionBatch:
     """The tree requests of one verify forward, and the K/V stash it fills."""
 
@@ -138,7 +158,7 @@ class TreeAttentionBatch:
     # Stash each layer's tree K/V during the forward (needed by commit_kv).
     stash_kv: bool = True
     # layer name -> stash, filled by the attention impl during the forward.
-    stash: dict[str, LayerKVStash] = field(default_factory=dict)
+    stash: dict[str, LayerKVStash | PagedCacheStash] = field(default_factory=dict)
     # Per-metadata plans cached by the attention impl (one forward, many layers).
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -251,10 +271,19 @@ class TreeAttentionBatch:
             row_space: ``"tree"`` (default): indices into the concatenated tree
                 rows (see the module doc); ``"batch"``: the forward's query rows.
 
-        Applies to every stashed layer through ``ops.cpu_attn_reshape_and_cache``,
-        so it never depends on the ISA-packed layout. Returns the number of rows
-        moved per layer.
+        CPU stashes (:class:`LayerKVStash`) are re-written through
+        ``ops.cpu_attn_reshape_and_cache``, so the ISA-packed layout never matters;
+        returns the number of rows moved per layer. Paged-cache stashes
+        (:class:`PagedCacheStash`, GPU) are moved inside the caches in one launch,
+        without a host sync; returns the number of moves passed (the kernel skips
+        self-moves).
         """
+        if row_space not in ("tree", "batch"):
+            raise ValueError(f"row_space must be 'tree' or 'batch', got {row_space!r}")
+        if self.stash and all(
+            isinstance(s, PagedCacheStash) for s in self.stash.values()
+        ):
+            return self._commit_in_cache(moves, row_space)
         src, dst = moves
         src = torch.as_tensor(src, dtype=torch.int64).reshape(-1).cpu()
         dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1).cpu()
@@ -274,8 +303,6 @@ class TreeAttentionBatch:
             )
         if row_space == "batch":
             src, dst = self._batch_to_tree_rows(src), self._batch_to_tree_rows(dst)
-        elif row_space != "tree":
-            raise ValueError(f"row_space must be 'tree' or 'batch', got {row_space!r}")
         m = self.num_tree_rows
         if (
             int(src.min()) < 0
@@ -285,6 +312,28 @@ class TreeAttentionBatch:
             raise IndexError(f"commit_kv: a row is outside the {m} tree rows")
         for layer_stash in self.stash.values():
             layer_stash.write(src, dst)
+        return int(src.numel())
+
+    def _commit_in_cache(
+        self, moves: tuple[torch.Tensor, torch.Tensor], row_space: str
+    ) -> int:
+        from vllm_ddtree.ops.kv_commit import commit_kv_triton
+
+        stashes = list(self.stash.values())
+        first = stashes[0]
+        device = first.slot_mapping.device
+        src, dst = (
+            torch.as_tensor(x, device=device).to(torch.int64).reshape(-1) for x in moves
+        )
+        if src.shape != dst.shape:
+            raise ValueError(
+                "src_rows and dst_rows differ in length: "
+                f"{src.numel()} vs {dst.numel()}"
+            )
+        if row_space == "tree":
+            src, dst = first.batch_rows[src], first.batch_rows[dst]
+        slots = first.slot_mapping.to(torch.int64)
+        commit_kv_triton([s.kv_cache for s in stashes], slots[src], slots[dst])
         return int(src.numel())
 
     def _batch_to_tree_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -302,6 +351,43 @@ class TreeAttentionBatch:
         """Drops the stash and cached plans (the cache references included)."""
         self.stash.clear()
         self._plans.clear()
+
+
+def refuse_unsupported(backend: str, features: dict[str, bool]) -> None:
+    """Raises NotImplementedError naming every feature that is present.
+
+    Args:
+        backend: the attention backend, for the message.
+        features: description -> whether the layer uses it.
+    """
+    refused = [name for name, present in features.items() if present]
+    if refused:
+        raise NotImplementedError(
+            f"DDTree tree attention on {backend} does not support "
+            + ", ".join(refused)
+            + " (the tree-verify forward needs plain causal decoder attention)"
+        )
+
+
+def override_attention_backend(name: str, path: str) -> None:
+    """Makes ``AttentionBackendEnum[name]`` resolve to the class at ``path``.
+
+    Idempotent. Runs in the worker when a ddtree runner is built, before the
+    model's attention layers are created. Outside trees the DDTree backends are
+    the stock ones, so engines built later in the process (ddtree or not) may
+    share them; engines built earlier keep the class they resolved.
+    """
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    member = AttentionBackendEnum[name]
+    if member.get_path() != path:
+        register_backend(member, path)
+        # The selector caches resolved classes per configuration.
+        selector._cached_get_attn_backend.cache_clear()
 
 
 _CURRENT: TreeAttentionBatch | None = None

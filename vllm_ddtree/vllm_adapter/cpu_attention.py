@@ -363,27 +363,21 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return result
 
     def _check_tree_supported(self, key, value) -> None:
-        refused = []
-        if self.sliding_window not in (None, -1):
-            refused.append(f"sliding window ({self.sliding_window})")
-        if self.alibi_slopes is not None:
-            refused.append("alibi")
-        if self.logits_soft_cap not in (None, 0):
-            refused.append(f"logits softcap ({self.logits_soft_cap})")
-        if self.sinks is not None:
-            refused.append("attention sinks")
-        if self.is_fp8_kv_cache:
-            refused.append(f"kv cache dtype {self.kv_cache_dtype!r}")
-        if self.kv_sharing_target_layer_name is not None:
-            refused.append("KV-cache sharing across layers")
-        if key is None or value is None:
-            refused.append("a layer without its own key/value")
-        if refused:
-            raise NotImplementedError(
-                "DDTree tree attention on CPU does not support "
-                + ", ".join(refused)
-                + " (the tree-verify forward needs plain causal decoder attention)"
-            )
+        attn_context.refuse_unsupported(
+            "CPU",
+            {
+                f"sliding window ({self.sliding_window})": self.sliding_window
+                not in (None, -1),
+                "alibi": self.alibi_slopes is not None,
+                f"logits softcap ({self.logits_soft_cap})": self.logits_soft_cap
+                not in (None, 0),
+                "attention sinks": self.sinks is not None,
+                f"kv cache dtype {self.kv_cache_dtype!r}": self.is_fp8_kv_cache,
+                "KV-cache sharing across layers": self.kv_sharing_target_layer_name
+                is not None,
+                "a layer without its own key/value": key is None or value is None,
+            },
+        )
 
     def _tree_forward(
         self, layer, query, key, value, kv_cache, metadata, output, batch
@@ -449,18 +443,6 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
 def register_tree_attention_backend() -> None:
     """Makes ``AttentionBackendEnum.CPU_ATTN`` resolve to the DDTree backend.
 
-    Idempotent. Runs in the worker when a ddtree runner is built, before the
-    model's attention layers are created. Outside trees the DDTree backend is
-    the stock one, so engines built later in the process (ddtree or not) may
-    share it; engines built earlier keep the class they resolved.
+    Idempotent; see :func:`attn_context.override_attention_backend`.
     """
-    from vllm.v1.attention import selector
-    from vllm.v1.attention.backends.registry import (
-        AttentionBackendEnum,
-        register_backend,
-    )
-
-    if AttentionBackendEnum.CPU_ATTN.get_path() != BACKEND_PATH:
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-        # The selector caches resolved classes per configuration.
-        selector._cached_get_attn_backend.cache_clear()
+    attn_context.override_attention_backend("CPU_ATTN", BACKEND_PATH)

