@@ -51,7 +51,6 @@ import torch
 
 __all__ = [
     "LayerKVStash",
-    "PagedCacheStash",
     "TreeAttentionBatch",
     "TreeRequest",
     "clear",
@@ -134,23 +133,6 @@ class LayerKVStash:
 
 
 @dataclass
-class PagedCacheStash:
-    """One attention layer's paged cache, for the in-cache commit (GPU backend).
-
-    Nothing is copied: the forward already wrote every tree row's K/V to its slot,
-    so the commit moves entries inside the cache (all layers in one launch of
-    :func:`vllm_ddtree.ops.kv_commit.commit_kv_triton`).
-    """
-
-    # [2, num_blocks, block_size, Hkv, D] view of the layer's cache (K, V).
-    kv_cache: torch.Tensor
-    # [num_tokens] the forward's cache slot of every batch row.
-    slot_mapping: torch.Tensor
-    # [M] batch row of every tree row (tree-row order).
-    batch_rows: torch.Tensor
-
-
-@dataclass
 class TreeAttentionBatch:
     """The tree requests of one verify forward, and the K/V stash it fills."""
 
@@ -158,7 +140,9 @@ class TreeAttentionBatch:
     # Stash each layer's tree K/V during the forward (needed by commit_kv).
     stash_kv: bool = True
     # layer name -> stash, filled by the attention impl during the forward.
-    stash: dict[str, LayerKVStash | PagedCacheStash] = field(default_factory=dict)
+    # Another backend may stash its own type: a class with a ``commit_all(batch,
+    # moves, row_space)`` classmethod then performs the whole commit.
+    stash: dict[str, object] = field(default_factory=dict)
     # Per-metadata plans cached by the attention impl (one forward, many layers).
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -271,19 +255,18 @@ class TreeAttentionBatch:
             row_space: ``"tree"`` (default): indices into the concatenated tree
                 rows (see the module doc); ``"batch"``: the forward's query rows.
 
-        CPU stashes (:class:`LayerKVStash`) are re-written through
-        ``ops.cpu_attn_reshape_and_cache``, so the ISA-packed layout never matters;
-        returns the number of rows moved per layer. Paged-cache stashes
-        (:class:`PagedCacheStash`, GPU) are moved inside the caches in one launch,
-        without a host sync; returns the number of moves passed (the kernel skips
-        self-moves).
+        Applies to every stashed layer through ``ops.cpu_attn_reshape_and_cache``,
+        so it never depends on the ISA-packed layout. Returns the number of rows
+        moved per layer. (A stash type with a ``commit_all`` classmethod commits
+        for itself.)
         """
         if row_space not in ("tree", "batch"):
             raise ValueError(f"row_space must be 'tree' or 'batch', got {row_space!r}")
-        if self.stash and all(
-            isinstance(s, PagedCacheStash) for s in self.stash.values()
-        ):
-            return self._commit_in_cache(moves, row_space)
+        commit_all = getattr(
+            type(next(iter(self.stash.values()), None)), "commit_all", None
+        )
+        if commit_all is not None:
+            return commit_all(self, moves, row_space)
         src, dst = moves
         src = torch.as_tensor(src, dtype=torch.int64).reshape(-1).cpu()
         dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1).cpu()
@@ -312,28 +295,6 @@ class TreeAttentionBatch:
             raise IndexError(f"commit_kv: a row is outside the {m} tree rows")
         for layer_stash in self.stash.values():
             layer_stash.write(src, dst)
-        return int(src.numel())
-
-    def _commit_in_cache(
-        self, moves: tuple[torch.Tensor, torch.Tensor], row_space: str
-    ) -> int:
-        from vllm_ddtree.ops.kv_commit import commit_kv_triton
-
-        stashes = list(self.stash.values())
-        first = stashes[0]
-        device = first.slot_mapping.device
-        src, dst = (
-            torch.as_tensor(x, device=device).to(torch.int64).reshape(-1) for x in moves
-        )
-        if src.shape != dst.shape:
-            raise ValueError(
-                "src_rows and dst_rows differ in length: "
-                f"{src.numel()} vs {dst.numel()}"
-            )
-        if row_space == "tree":
-            src, dst = first.batch_rows[src], first.batch_rows[dst]
-        slots = first.slot_mapping.to(torch.int64)
-        commit_kv_triton([s.kv_cache for s in stashes], slots[src], slots[dst])
         return int(src.numel())
 
     def _batch_to_tree_rows(self, rows: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,17 @@ config is built, before any model is loaded.
 
 from __future__ import annotations
 
-__all__ = ["check_target_and_platform"]
+__all__ = ["check_platform", "check_target", "check_target_and_platform"]
 
 
 def check_target_and_platform(target_model_config) -> None:
     """Refuses targets and platforms the ddtree runner cannot serve losslessly."""
+    check_platform()
+    check_target(target_model_config)
+
+
+def check_platform() -> None:
+    """Refuses platforms without an ancestor-only tree attention backend."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -21,6 +27,10 @@ def check_target_and_platform(target_model_config) -> None:
             "attention backend only (this build); on this platform the verify pass "
             "would attend causally across tree branches, so ddtree is refused here"
         )
+
+
+def check_target(target_model_config) -> None:
+    """Refuses targets the DFlash drafter or the tree verify cannot serve."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 

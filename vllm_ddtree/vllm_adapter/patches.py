@@ -20,6 +20,8 @@ methods they decorate in-tree in the upstream patch series (``patches/``):
   max logit error 0.43 on a 2-layer drafter). The CUDA op selects the row per
   layer; on CPU :func:`normalize_context_k_per_layer` normalizes per layer in
   torch (the patch series' first commit makes the same fix in-tree).
+* P6 the opt-in for the not-yet-validated CUDA path (plugin only; a no-op unless
+  ``VLLM_DDTREE_UNVALIDATED_GPU=1`` on CUDA): :mod:`.gpu_opt_in`.
 
 Every target is private vLLM API, so :func:`install` refuses other versions.
 """
@@ -28,14 +30,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.vllm_adapter import hooks
+from vllm_ddtree.vllm_adapter import gpu_opt_in, hooks
 
 SUPPORTED_VLLM = "0.32."
 _installed = False
 
 
 def install() -> None:
-    """Installs P1-P5 (idempotent)."""
+    """Installs P1-P6 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -65,6 +67,7 @@ def install() -> None:
         InputProcessor.process_inputs
     )
     _fix_cpu_dflash_context_k_norm()
+    gpu_opt_in.install()
     _installed = True
 
 
