@@ -8,7 +8,7 @@
 // This file holds the one TORCH_LIBRARY block of the namespace: later operators
 // of the extension are declared here too (or with TORCH_LIBRARY_FRAGMENT).
 
-#include <Python.h>
+#include "python_module.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -46,22 +46,7 @@ TORCH_LIBRARY_IMPL(vllm_ddtree, CUDA, m) { m.impl("tree_verify", &tree_verify); 
 
 TORCH_LIBRARY_IMPL(vllm_ddtree, Meta, m) { m.impl("tree_verify", &tree_verify_meta); }
 
-// A plain (empty) Python module, so that `import vllm_ddtree._C` loads the library.
 #ifndef TORCH_EXTENSION_NAME
 #define TORCH_EXTENSION_NAME _C
 #endif
-#define DDTREE_CONCAT_IMPL(a, b) a##b
-#define DDTREE_CONCAT(a, b) DDTREE_CONCAT_IMPL(a, b)
-#define DDTREE_STRINGIFY_IMPL(a) #a
-#define DDTREE_STRINGIFY(a) DDTREE_STRINGIFY_IMPL(a)
-
-PyMODINIT_FUNC DDTREE_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  static struct PyModuleDef module = {
-      PyModuleDef_HEAD_INIT,
-      DDTREE_STRINGIFY(TORCH_EXTENSION_NAME),
-      "vllm_ddtree CUDA kernels; the operators live in torch.ops.vllm_ddtree.",
-      -1,
-      nullptr,
-  };
-  return PyModule_Create(&module);
-}
+DDTREE_PYTHON_MODULE("vllm_ddtree CUDA kernels; the operators live in torch.ops.vllm_ddtree.")

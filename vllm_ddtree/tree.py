@@ -389,37 +389,15 @@ def _build_ddtree_cpp(
         roots = torch.zeros(num_reqs, dtype=torch.int64)
     else:
         roots = root_token_ids.to(device="cpu", dtype=torch.int64).reshape(num_reqs)
-    (
-        tokens,
-        parents,
-        depths,
-        scores,
-        num_nodes,
-        retrieve_index,
-        first_child,
-        next_sibling,
-        visibility,
-        visibility_packed,
-    ) = _cpp_build_op()[0](
+    # The operator returns DraftTree's tensor fields in declaration order.
+    fields = _cpp_build_op()[0](
         log_probs.contiguous(),
         token_ids.to(torch.int64).contiguous(),
         budgets,
         roots.contiguous(),
         cap,
     )
-    return DraftTree(
-        tokens=tokens,
-        parents=parents,
-        depths=depths,
-        scores=scores,
-        num_nodes=num_nodes,
-        retrieve_index=retrieve_index,
-        retrieve_next_token=first_child,
-        retrieve_next_sibling=next_sibling,
-        visibility=visibility,
-        visibility_packed=visibility_packed,
-        max_depth=depth_limit,
-    )
+    return DraftTree(*fields, max_depth=depth_limit)
 
 
 def _children_per_depth(cap: int, vocab: int, max_children: int | None) -> int:

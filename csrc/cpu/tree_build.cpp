@@ -20,7 +20,7 @@
 // Requests are built one after another on the calling thread: one request takes
 // microseconds, less than a parallel region's start-up.
 
-#include <Python.h>
+#include "../python_module.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -210,23 +210,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_ddtree, m) {
 
 TORCH_LIBRARY_IMPL(vllm_ddtree, CPU, m) { m.impl("build_tree_cpu", &build_tree_cpu); }
 
-// A plain (empty) Python module, so that `import vllm_ddtree._C_cpu` loads the
-// library and runs the registrations above.
 #ifndef TORCH_EXTENSION_NAME
 #define TORCH_EXTENSION_NAME _C_cpu
 #endif
-#define DDTREE_CONCAT_IMPL(a, b) a##b
-#define DDTREE_CONCAT(a, b) DDTREE_CONCAT_IMPL(a, b)
-#define DDTREE_STRINGIFY_IMPL(a) #a
-#define DDTREE_STRINGIFY(a) DDTREE_STRINGIFY_IMPL(a)
-
-PyMODINIT_FUNC DDTREE_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  static struct PyModuleDef module = {
-      PyModuleDef_HEAD_INIT,
-      DDTREE_STRINGIFY(TORCH_EXTENSION_NAME),
-      "vllm_ddtree CPU kernels; the operators live in torch.ops.vllm_ddtree.",
-      -1,
-      nullptr,
-  };
-  return PyModule_Create(&module);
-}
+DDTREE_PYTHON_MODULE("vllm_ddtree CPU kernels; the operators live in torch.ops.vllm_ddtree.")

@@ -48,10 +48,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from vllm.v1.attention.backend import AttentionType
 
 __all__ = [
     "LayerKVStash",
     "TreeAttentionBatch",
+    "TreeAttentionImplMixin",
     "TreeRequest",
     "clear",
     "commit_kv",
@@ -349,6 +351,55 @@ def override_attention_backend(name: str, path: str) -> None:
         register_backend(member, path)
         # The selector caches resolved classes per configuration.
         selector._cached_get_attn_backend.cache_clear()
+
+
+class TreeAttentionImplMixin:
+    """``forward`` of a tree-aware attention impl (put it before the stock impl).
+
+    Runs the stock impl's ``forward`` for the whole batch, then, only under an
+    active tree batch and only for decoder self-attention,
+    ``_tree_forward(layer, query, key, value, kv_cache, attn_metadata, output,
+    batch)`` on the tree rows. ``_check_tree_supported(query, key, value,
+    output_scale)`` refuses what the tree path cannot honour, before anything runs.
+    """
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch = current()
+        tree_active = (
+            batch is not None
+            and attn_metadata is not None
+            and bool(batch.requests)
+            and self.attn_type == AttentionType.DECODER
+        )
+        if tree_active:
+            self._check_tree_supported(query, key, value, output_scale)
+        result = super().forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale,
+            output_block_scale,
+        )
+        if tree_active:
+            self._tree_forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, batch
+            )
+        return result
 
 
 _CURRENT: TreeAttentionBatch | None = None

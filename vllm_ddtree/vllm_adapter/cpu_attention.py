@@ -36,7 +36,6 @@ import threading
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -321,48 +320,12 @@ def _plan(batch, metadata, block_size) -> _ForwardPlan:
     return plan
 
 
-class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+class DDTreeCPUAttentionImpl(
+    attn_context.TreeAttentionImplMixin, CPUAttentionBackendImpl
+):
     """CPU_ATTN impl; tree rows get ancestor-only attention under a tree context."""
 
-    def forward(
-        self,
-        layer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: CPUAttentionMetadata | None,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        batch = attn_context.current()
-        tree_active = (
-            batch is not None
-            and attn_metadata is not None
-            and bool(batch.requests)
-            and self.attn_type == AttentionType.DECODER
-        )
-        if tree_active:
-            self._check_tree_supported(key, value)
-        result = super().forward(
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            output_scale,
-            output_block_scale,
-        )
-        if tree_active:
-            self._tree_forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, batch
-            )
-        return result
-
-    def _check_tree_supported(self, key, value) -> None:
+    def _check_tree_supported(self, query, key, value, output_scale) -> None:
         attn_context.refuse_unsupported(
             "CPU",
             {

@@ -32,11 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
-    TritonAttentionMetadata,
 )
 
 from vllm_ddtree.ops.kv_commit import commit_kv_triton
@@ -183,46 +181,12 @@ def paged_kv_view(
     return key_cache, value_cache, kv
 
 
-class DDTreeTritonAttentionImpl(TritonAttentionImpl):
+class DDTreeTritonAttentionImpl(
+    attn_context.TreeAttentionImplMixin, TritonAttentionImpl
+):
     """TRITON_ATTN impl; tree rows get ancestor-only attention under a tree context."""
 
-    def forward(
-        self,
-        layer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: TritonAttentionMetadata | None,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        batch = attn_context.current()
-        tree_active = (
-            batch is not None
-            and attn_metadata is not None
-            and bool(batch.requests)
-            and self.attn_type == AttentionType.DECODER
-        )
-        if tree_active:
-            self._check_tree_supported(query, output_scale)
-        result = super().forward(
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            output_scale,
-            output_block_scale,
-        )
-        if tree_active:
-            self._tree_forward(layer, query, kv_cache, attn_metadata, output, batch)
-        return result
-
-    def _check_tree_supported(self, query, output_scale) -> None:
+    def _check_tree_supported(self, query, key, value, output_scale) -> None:
         head_size = self.head_size
         attn_context.refuse_unsupported(
             "TRITON_ATTN",
@@ -245,7 +209,9 @@ class DDTreeTritonAttentionImpl(TritonAttentionImpl):
             },
         )
 
-    def _tree_forward(self, layer, query, kv_cache, metadata, output, batch) -> None:
+    def _tree_forward(
+        self, layer, query, key, value, kv_cache, metadata, output, batch
+    ) -> None:
         plan = _plan(batch, metadata)
         num_heads, head_size = self.num_heads, self.head_size
         key_cache, value_cache, kv = paged_kv_view(kv_cache, head_size)
