@@ -215,7 +215,29 @@ def load_prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
 # --------------------------------------------------------------------------- #
 # Runs
 # --------------------------------------------------------------------------- #
+TORCH_BUILD = "/torch-build"  # method-name suffix: the same spec, torch tree builder
+
+
+@contextlib.contextmanager
+def forced_torch_tree_builder(active: bool):
+    """build_ddtree's backend "auto" -> "torch" (instead of the compiled CPU heap)."""
+    from vllm_ddtree import tree
+
+    original = tree._resolve_build_backend
+    if active:
+        tree._resolve_build_backend = lambda backend, device: "torch"
+    try:
+        yield
+    finally:
+        tree._resolve_build_backend = original
+
+
 def run_method(name, spec, args, target, prompt_sets, timers) -> list[dict]:
+    with forced_torch_tree_builder(name.endswith(TORCH_BUILD)):
+        return _run_method(name, spec, args, target, prompt_sets, timers)
+
+
+def _run_method(name, spec, args, target, prompt_sets, timers) -> list[dict]:
     import vllm
 
     # Room for the verify block and the drafter's block: vLLM 0.32 replaces every
@@ -480,6 +502,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--chain-k", type=int, default=15)
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of nospec dflash chain ddtree-B (default: all)")
+    ap.add_argument("--torch-tree-builder-too", action="store_true",
+                    help="also run every ddtree method with build_ddtree's torch backend "
+                         f"(method name + {TORCH_BUILD!r}) instead of the compiled CPU "
+                         "builder, side by side")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
@@ -506,6 +532,10 @@ def main(argv=None) -> dict:
     specs = method_specs(args.drafter, args.budgets, args.chain_k)
     if args.methods:
         specs = {k: v for k, v in specs.items() if k in args.methods}
+    if args.torch_tree_builder_too:
+        for name, spec in list(specs.items()):
+            if spec and spec.get("method") == "ddtree":
+                specs[name + TORCH_BUILD] = spec
     results = []
     for name, spec in specs.items():
         results += run_method(name, spec, args, args.target, prompt_sets, timers)
