@@ -68,13 +68,29 @@ def compiled_extensions():
         )
 
     class OptionalBuildExtension(BuildExtension):
-        """A failed extension build never fails the install (Triton/torch remain)."""
+        """A failed extension build never fails the install (Triton/torch remain).
+
+        Each extension is optional on its own (``build_extension``); a failure
+        before any of them is built (e.g. torch's compiler check) skips them all
+        (``run``).
+        """
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:
+                _log(f"compiled extensions skipped ({exc})")
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as exc:
                 _log(f"building {ext.name} failed, skipped ({exc})")
+
+        def get_outputs(self):
+            # Only what was built: an editable or wheel install must not look for
+            # the library of a skipped extension.
+            return [path for path in super().get_outputs() if os.path.exists(path)]
 
     return extensions, {"build_ext": OptionalBuildExtension}
 
