@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     _get_attn_isa,
 )
 
+from _attn_utils import model_with  # noqa: E402
 from vllm_ddtree.commit import plan_commit  # noqa: E402
 from vllm_ddtree.tree import build_ddtree, tree_from_parents  # noqa: E402
 from vllm_ddtree.vllm_adapter import attn_context  # noqa: E402
@@ -446,12 +447,25 @@ def test_non_decoder_layers_pass_through_under_context():
         dict(kv_cache_dtype="fp8"),
     ],
 )
-def test_refusals_with_tree_context(kwargs):
-    sc = Scenario(torch.float32, 32, 64, REQS[:1], seed=6)
+def test_refusals_at_model_load(kwargs):
+    """Checked when the engine loads the model, never inside a forward."""
     impl = make_impl(DDTreeCPUAttentionImpl, 64, **kwargs)
-    with pytest.raises(NotImplementedError, match="DDTree tree attention"):
-        # (no KV write: the fp8 write would refuse this fp32 cache first)
-        sc.run(impl, batch=sc.tree_batch(), write_kv=False)
+    with pytest.raises(ValueError, match="layers.0.attn: DDTree tree attention"):
+        attn_context.check_model_tree_attention(model_with(impl))
+
+
+def test_model_load_check_passes_plain_layers_and_refuses_stock_impls():
+    attn_context.check_model_tree_attention(
+        model_with(make_impl(DDTreeCPUAttentionImpl, 64))
+    )
+    encoder = make_impl(CPUAttentionBackendImpl, 64)
+    encoder.attn_type = "encoder_only"  # no tree rows: left alone
+    attn_context.check_model_tree_attention(model_with(encoder))
+    with pytest.raises(ValueError, match="no ancestor-only tree attention"):
+        attn_context.check_model_tree_attention(
+            model_with(make_impl(CPUAttentionBackendImpl, 64))
+        )
+
 
 
 def test_commit_moves_accepted_path_to_contiguous_slots():

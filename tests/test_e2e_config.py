@@ -104,3 +104,48 @@ def test_gpu_platform_is_refused_until_tree_attention_lands(pair, monkeypatch):
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(ValueError, match="CPU attention backend only"):
         start(pair[0], ddtree(pair[1]))
+
+
+def test_pipeline_parallel_is_refused_at_start_up(pair):
+    """PP = 2: only the last rank proposes, so rank 0 would verify causal chains."""
+    target, drafter = pair
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                 pipeline_parallel_size=2, speculative_config=ddtree(drafter))
+
+
+def test_quantized_kv_cache_is_refused_at_start_up(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                 kv_cache_dtype="fp8", speculative_config=ddtree(drafter))
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [("sliding_window", 64, "sliding_window=64"),
+     ("attn_logit_softcapping", 30.0, "softcapping")],
+)
+def test_attention_variants_are_refused_at_start_up(root, pair, key, value, match):
+    """Refused while the config is built, not by the first verify step."""
+    path = root / f"{key}_target"
+    target = tiny_models.make_target(path, kind="random", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[key] = value
+    if key == "sliding_window":
+        cfg["use_sliding_window"] = True  # (Qwen3Config drops the window without it)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        start(str(target), ddtree(pair[1]))
+
+
+def test_layer_refusals_fail_the_engine_start_not_a_request(pair, monkeypatch):
+    """A layer feature only the built model knows fails LLM(...) itself."""
+    from vllm_ddtree.vllm_adapter.cpu_attention import DDTreeCPUAttentionImpl
+
+    monkeypatch.setattr(DDTreeCPUAttentionImpl, "tree_refusals",
+                        lambda self: {"attention sinks": True})
+    with pytest.raises(Exception, match="model.layers.0.self_attn.attn: DDTree tree "
+                                        "attention on CPU does not support attention "
+                                        "sinks"):
+        start(pair[0], ddtree(pair[1]))

@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 
+from _attn_utils import model_with  # noqa: E402
 from vllm_ddtree.commit import plan_commit  # noqa: E402
 from vllm_ddtree.tree import tree_from_parents  # noqa: E402
 from vllm_ddtree.vllm_adapter import attn_context  # noqa: E402
@@ -290,12 +291,14 @@ def test_commit_moves_the_accepted_path_inside_the_cache(row_space):
     ],
 )
 def test_refuses_what_tree_attention_cannot_honour(kwargs, attr, match):
+    """At model load (engine start), never in a forward."""
     impl = make_impl(**kwargs)
     if attr is not None:
         setattr(impl, *attr)
-    sc = Scenario()
-    with pytest.raises(NotImplementedError, match=match):
-        sc.run(impl, sc.batch())
+    with pytest.raises(ValueError, match=f"layers.0.attn: .*{match}"):
+        attn_context.check_model_tree_attention(model_with(impl))
+    attn_context.check_model_tree_attention(model_with(make_impl()))
+
 
 
 def test_register_backend_is_idempotent():

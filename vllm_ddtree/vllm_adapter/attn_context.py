@@ -55,6 +55,7 @@ __all__ = [
     "TreeAttentionBatch",
     "TreeAttentionImplMixin",
     "TreeRequest",
+    "check_model_tree_attention",
     "clear",
     "commit_kv",
     "current",
@@ -317,7 +318,7 @@ class TreeAttentionBatch:
 
 
 def refuse_unsupported(backend: str, features: dict[str, bool]) -> None:
-    """Raises NotImplementedError naming every feature that is present.
+    """Raises ValueError naming every feature that is present.
 
     Args:
         backend: the attention backend, for the message.
@@ -325,11 +326,48 @@ def refuse_unsupported(backend: str, features: dict[str, bool]) -> None:
     """
     refused = [name for name, present in features.items() if present]
     if refused:
-        raise NotImplementedError(
+        raise ValueError(
             f"DDTree tree attention on {backend} does not support "
             + ", ".join(refused)
-            + " (the tree-verify forward needs plain causal decoder attention)"
+            + " (the tree-verify forward needs plain causal decoder attention); "
+            "serve this target without ddtree"
         )
+
+
+def check_model_tree_attention(model) -> None:
+    """Start-up check of a loaded target: every decoder self-attention layer has a
+    tree-aware impl and none of the features it refuses.
+
+    Runs in the worker when the model is loaded, so an unsupported layer fails
+    the engine start instead of the first verify step.
+
+    Raises:
+        ValueError: naming the layer and what it uses.
+    """
+    from vllm.v1.attention.backend import AttentionImplBase
+
+    not_causal = (
+        AttentionType.ENCODER,
+        AttentionType.ENCODER_ONLY,
+        AttentionType.ENCODER_DECODER,
+    )
+    for name, module in model.named_modules():
+        impl = getattr(module, "impl", None)
+        if not isinstance(impl, AttentionImplBase):
+            continue
+        if getattr(impl, "attn_type", None) in not_causal:
+            continue  # attends to the prompt / encoder only: no tree rows
+        if not isinstance(impl, TreeAttentionImplMixin):
+            raise ValueError(
+                f"ddtree: target layer {name} runs {type(impl).__name__}, which has "
+                "no ancestor-only tree attention (the verify pass would attend "
+                "causally across branches); ddtree needs a plain decoder attention "
+                "layer on its tree backend"
+            )
+        try:
+            refuse_unsupported(impl.BACKEND_NAME, impl.tree_refusals())
+        except ValueError as e:
+            raise ValueError(f"ddtree: target layer {name}: {e}") from None
 
 
 def override_attention_backend(name: str, path: str) -> None:
@@ -359,9 +397,27 @@ class TreeAttentionImplMixin:
     Runs the stock impl's ``forward`` for the whole batch, then, only under an
     active tree batch and only for decoder self-attention,
     ``_tree_forward(layer, query, key, value, kv_cache, attn_metadata, output,
-    batch)`` on the tree rows. ``_check_tree_supported(query, key, value,
-    output_scale)`` refuses what the tree path cannot honour, before anything runs.
+    batch)`` on the tree rows.
+
+    What the tree path cannot honour is refused at engine start, never inside a
+    forward: ``tree_refusals()`` (description -> present) lists the layer's
+    features, and :func:`check_model_tree_attention` raises for any of them when
+    the model is loaded. ``_check_tree_call(query, key, value, output_scale)``
+    only asserts, per forward, that nothing the load-time check vouched for
+    changed (it cannot fire for a configuration that started).
     """
+
+    BACKEND_NAME = "?"
+
+    def tree_refusals(self) -> dict[str, bool]:
+        raise NotImplementedError
+
+    def _check_tree_call(self, query, key, value, output_scale) -> None:
+        if output_scale is not None:
+            raise AssertionError(
+                "DDTree tree attention: a layer passed the start-up check but its "
+                "forward fuses output quantization"
+            )
 
     def forward(
         self,
@@ -383,7 +439,7 @@ class TreeAttentionImplMixin:
             and self.attn_type == AttentionType.DECODER
         )
         if tree_active:
-            self._check_tree_supported(query, key, value, output_scale)
+            self._check_tree_call(query, key, value, output_scale)
         result = super().forward(
             layer,
             query,

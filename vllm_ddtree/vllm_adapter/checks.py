@@ -2,7 +2,11 @@
 """Start-up checks of the target model and platform for ddtree (frontend process).
 
 Each refusal is a ValueError that names what is missing, raised while the engine
-config is built, before any model is loaded.
+config is built, before any model is loaded. What only the built model knows
+(a layer's sliding window, alibi, sinks, softcap) is checked again, layer by
+layer, when the worker loads the model
+(:func:`vllm_ddtree.vllm_adapter.attn_context.check_model_tree_attention`), still
+before the engine serves.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 __all__ = ["check_platform", "check_target", "check_target_and_platform"]
 
 
-def check_target_and_platform(target_model_config) -> None:
+def check_target_and_platform(
+    target_model_config, kv_cache_dtype: str = "auto"
+) -> None:
     """Refuses targets and platforms the ddtree runner cannot serve losslessly."""
     check_platform()
-    check_target(target_model_config)
+    check_target(target_model_config, kv_cache_dtype)
 
 
 def check_platform() -> None:
@@ -29,7 +35,7 @@ def check_platform() -> None:
         )
 
 
-def check_target(target_model_config) -> None:
+def check_target(target_model_config, kv_cache_dtype: str = "auto") -> None:
     """Refuses targets the DFlash drafter or the tree verify cannot serve."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
@@ -51,4 +57,34 @@ def check_target(target_model_config) -> None:
         raise ValueError(
             "ddtree does not support hybrid (recurrent-state) targets: their state "
             "would need a tree-aware scan"
+        )
+    hf = target_model_config.hf_text_config
+    window = target_model_config.get_sliding_window()
+    if window is not None:
+        raise ValueError(
+            f"ddtree does not support sliding-window attention (the target's "
+            f"sliding_window={window}): the tree attention attends to the whole "
+            "prefix. Serve it with disable_sliding_window=True (max_model_len is "
+            "then capped at the window), or without ddtree"
+        )
+    for key in ("attn_logit_softcapping", "attn_softcapping"):
+        if getattr(hf, key, None):
+            raise ValueError(
+                f"ddtree does not support attention logit softcapping (the target's "
+                f"{key}={getattr(hf, key)})"
+            )
+    if getattr(hf, "alibi", False) or getattr(hf, "position_embedding_type", None) == (
+        "alibi"
+    ):
+        raise ValueError("ddtree does not support ALiBi targets")
+    if getattr(hf, "num_kv_shared_layers", 0):
+        raise ValueError(
+            "ddtree does not support KV-cache sharing across layers (the target's "
+            f"num_kv_shared_layers={hf.num_kv_shared_layers})"
+        )
+    if kv_cache_dtype not in ("auto", None):
+        raise ValueError(
+            f"ddtree does not support kv_cache_dtype={kv_cache_dtype!r}: the tree "
+            "attention and the KV commit read and move unquantized K/V; use "
+            "kv_cache_dtype='auto'"
         )

@@ -325,22 +325,28 @@ class DDTreeCPUAttentionImpl(
 ):
     """CPU_ATTN impl; tree rows get ancestor-only attention under a tree context."""
 
-    def _check_tree_supported(self, query, key, value, output_scale) -> None:
-        attn_context.refuse_unsupported(
-            "CPU",
-            {
-                f"sliding window ({self.sliding_window})": self.sliding_window
-                not in (None, -1),
-                "alibi": self.alibi_slopes is not None,
-                f"logits softcap ({self.logits_soft_cap})": self.logits_soft_cap
-                not in (None, 0),
-                "attention sinks": self.sinks is not None,
-                f"kv cache dtype {self.kv_cache_dtype!r}": self.is_fp8_kv_cache,
-                "KV-cache sharing across layers": self.kv_sharing_target_layer_name
-                is not None,
-                "a layer without its own key/value": key is None or value is None,
-            },
-        )
+    BACKEND_NAME = "CPU"
+
+    def tree_refusals(self) -> dict[str, bool]:
+        return {
+            f"sliding window ({self.sliding_window})": self.sliding_window
+            not in (None, -1),
+            "alibi": self.alibi_slopes is not None,
+            f"logits softcap ({self.logits_soft_cap})": self.logits_soft_cap
+            not in (None, 0),
+            "attention sinks": self.sinks is not None,
+            f"kv cache dtype {self.kv_cache_dtype!r}": self.is_fp8_kv_cache,
+            "KV-cache sharing across layers": self.kv_sharing_target_layer_name
+            is not None,
+        }
+
+    def _check_tree_call(self, query, key, value, output_scale) -> None:
+        super()._check_tree_call(query, key, value, output_scale)
+        if key is None or value is None:  # only KV-sharing layers, refused at load
+            raise AssertionError(
+                "DDTree tree attention on CPU: a layer without its own key/value "
+                "passed the start-up check"
+            )
 
     def _tree_forward(
         self, layer, query, key, value, kv_cache, metadata, output, batch

@@ -186,28 +186,26 @@ class DDTreeTritonAttentionImpl(
 ):
     """TRITON_ATTN impl; tree rows get ancestor-only attention under a tree context."""
 
-    def _check_tree_supported(self, query, key, value, output_scale) -> None:
+    BACKEND_NAME = "TRITON_ATTN"
+
+    def tree_refusals(self) -> dict[str, bool]:
+        # Query dtypes need no check: vLLM runs models in fp16, bf16 or fp32 only.
+        # Fused output quantization needs compilation passes, and the opt-in runs
+        # eager (gpu_opt_in); _check_tree_call asserts it per forward.
         head_size = self.head_size
-        attn_context.refuse_unsupported(
-            "TRITON_ATTN",
-            {
-                f"sliding window ({self.sliding_window})": tuple(self.sliding_window)
-                != (-1, -1),
-                "alibi": self.alibi_slopes is not None,
-                f"logits softcap ({self.logits_soft_cap})": bool(self.logits_soft_cap),
-                "attention sinks": self.sinks is not None,
-                f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype
-                not in _UNQUANTIZED_KV,
-                "KV-cache sharing across layers": self.kv_sharing_target_layer_name
-                is not None,
-                "fused output quantization": output_scale is not None,
-                f"head size {head_size} (needs a power of two)": head_size
-                & (head_size - 1)
-                != 0,
-                f"query dtype {query.dtype}": query.dtype
-                not in (torch.float16, torch.bfloat16, torch.float32),
-            },
-        )
+        return {
+            f"sliding window ({self.sliding_window})": tuple(self.sliding_window)
+            != (-1, -1),
+            "alibi": self.alibi_slopes is not None,
+            f"logits softcap ({self.logits_soft_cap})": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype
+            not in _UNQUANTIZED_KV,
+            "KV-cache sharing across layers": self.kv_sharing_target_layer_name
+            is not None,
+            f"head size {head_size} (needs a power of two)": head_size & (head_size - 1)
+            != 0,
+        }
 
     def _tree_forward(
         self, layer, query, key, value, kv_cache, metadata, output, batch

@@ -73,7 +73,13 @@ def speculative_config_hook(create_speculative_config):
             self, target_model_config, target_parallel_config
         )
         if ddtree is not None:
-            ddtree = _finalize(result, ddtree, target_model_config)
+            ddtree = _finalize(
+                result,
+                ddtree,
+                target_model_config,
+                target_parallel_config,
+                self.kv_cache_dtype,
+            )
             # A plain attribute: SpeculativeConfig forbids unknown *fields*, not
             # attributes, and pickles its __dict__ to engine and worker processes.
             object.__setattr__(result, "ddtree", ddtree)
@@ -82,7 +88,13 @@ def speculative_config_hook(create_speculative_config):
     return wrapper
 
 
-def _finalize(spec, ddtree: DDTreeConfig, target_model_config) -> DDTreeConfig:
+def _finalize(
+    spec,
+    ddtree: DDTreeConfig,
+    target_model_config,
+    target_parallel_config=None,
+    kv_cache_dtype: str = "auto",
+) -> DDTreeConfig:
     """Checks the drafter against the target and the refused options."""
     refused = {
         "disable_padded_drafter_batch": spec.disable_padded_drafter_batch,
@@ -112,8 +124,18 @@ def _finalize(spec, ddtree: DDTreeConfig, target_model_config) -> DDTreeConfig:
         and getattr(spec.target_parallel_config, "tensor_parallel_size", 1) != 1
     ):
         raise ValueError("ddtree supports tensor_parallel_size=1 only (for now)")
+    pipeline = getattr(target_parallel_config, "pipeline_parallel_size", 1) or 1
+    if pipeline != 1:
+        # Only the last rank proposes, so the tree structure and the KV commit
+        # would never reach the first rank's layers (causal branches, rejected
+        # K/V left at committed positions).
+        raise ValueError(
+            f"ddtree does not support pipeline_parallel_size={pipeline}: every "
+            "rank's layers need the draft tree and the KV commit; use "
+            "pipeline_parallel_size=1"
+        )
 
-    check_target_and_platform(target_model_config)
+    check_target_and_platform(target_model_config, kv_cache_dtype)
     draft_hf = spec.draft_model_config.hf_config
     target_hf = target_model_config.hf_text_config
     dflash_cfg = getattr(draft_hf, "dflash_config", None) or {}

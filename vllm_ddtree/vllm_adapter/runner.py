@@ -75,6 +75,12 @@ class DDTreeRunnerMixin:
     _ddtree_linear_positions: torch.Tensor | None
     _ddtree_plan: CommitPlan | None
 
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        # Every target attention layer is checked now, at engine start: a layer
+        # the tree attention cannot serve must never reach a verify forward.
+        attn_context.check_model_tree_attention(self.get_model())
+
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         # vLLM blanks every draft of the batch unless the longest sequence plus
         # the drafter's query fits under max_model_len, and sizes that query as
