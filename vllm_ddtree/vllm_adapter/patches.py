@@ -23,7 +23,14 @@ methods they decorate in-tree in the upstream patch series (``patches/``):
 * P6 the opt-in for the not-yet-validated CUDA path (plugin only; a no-op unless
   ``VLLM_DDTREE_UNVALIDATED_GPU=1`` on CUDA): :mod:`.gpu_opt_in`.
 
-Every target is private vLLM API, so :func:`install` refuses other versions.
+Only P5 changes vLLM's behaviour when ddtree is off (it fixes in-tree
+``"dflash"`` on CPU); P1-P4 and P6 are no-ops unless an engine asks for ddtree.
+
+Every target is private vLLM API, so on any vLLM other than 0.32
+:func:`install` patches nothing of the above: it warns once and wraps only
+``EngineArgs.create_speculative_config`` so that ``"method": "ddtree"`` fails at
+start-up naming the supported version (vLLM's own plugin loader does not catch
+exceptions, so raising here would break every vLLM process).
 """
 
 from __future__ import annotations
@@ -43,12 +50,11 @@ def install() -> None:
         return
     import vllm
 
-    version = getattr(vllm, "__version__", "")
+    version = str(getattr(vllm, "__version__", ""))
     if not version.startswith(SUPPORTED_VLLM):
-        raise RuntimeError(
-            f"vllm-ddtree supports vLLM {SUPPORTED_VLLM}x, found {version!r}; "
-            "unset VLLM_PLUGINS=ddtree or install vllm 0.32"
-        )
+        _refuse_ddtree_on(version)
+        _installed = True
+        return
     from vllm.config.vllm import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.input_processor import InputProcessor
@@ -69,6 +75,44 @@ def install() -> None:
     _fix_cpu_dflash_context_k_norm()
     gpu_opt_in.install()
     _installed = True
+
+
+def unsupported_version_message(version: str) -> str:
+    return (
+        f"vllm-ddtree supports vLLM {SUPPORTED_VLLM}x only, and this is vLLM "
+        f"{version!r}: speculative method 'ddtree' is unavailable (vLLM itself is "
+        "unchanged). Install vllm==0.32.0 to use ddtree"
+    )
+
+
+def _refuse_ddtree_on(version: str) -> None:
+    """Unsupported vLLM: one warning, and ``"ddtree"`` refused at start-up.
+
+    Never raises: the plugin must not break a vLLM it does not support.
+    """
+    import functools
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "%s (the vllm-ddtree plugin patched nothing)",
+        unsupported_version_message(version),
+    )
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        create = EngineArgs.create_speculative_config
+    except Exception:  # another layout: vLLM's own error will name the method
+        return
+
+    @functools.wraps(create)
+    def create_speculative_config(self, *args, **kwargs):
+        spec = getattr(self, "speculative_config", None)
+        method = spec.get("method") if isinstance(spec, dict) else None
+        if "ddtree" in (method, getattr(self, "spec_method", None)):
+            raise ValueError(unsupported_version_message(version))
+        return create(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = create_speculative_config
 
 
 def normalize_context_k_per_layer(
