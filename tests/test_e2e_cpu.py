@@ -72,8 +72,12 @@ def generate(target, prompt_ids, speculative_config=None, max_model_len=512, **k
         runner = core.model_executor.driver_worker.worker.model_runner
     stats = {
         "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
+        "draft_tokens": metrics.get("vllm:spec_decode_num_draft_tokens", 0),
         "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
         "branch_paths": int(runner.ddtree_num_branch_paths)
+        if runner is not None
+        else 0,
+        "chain_fallbacks": runner._ddtree_stash.num_chain_fallbacks
         if runner is not None
         else 0,
     }
@@ -133,13 +137,16 @@ def test_large_budget_needs_room_for_the_block_only(models, reference):
     assert stats["accepted"] >= 0.6 * emitted, stats
 
 
-@pytest.mark.parametrize("max_children", [None, 1])
+@pytest.mark.parametrize("max_children,budget", [(None, 30), (1, 30), (2, 40)])
 def test_siblings_are_accepted_and_committed(
-    models, reference, monkeypatch, max_children
+    models, reference, monkeypatch, max_children, budget
 ):
     """True continuation at rank 1 of every depth: only a tree can accept it.
 
     ``ddtree_max_children=1`` verifies the argmax chain: it must accept nothing.
+    With 2 children per node a tree has 2 + 4 + 8 + 16 = 30 real nodes, fewer than
+    B = 40: only the real nodes are verified, as the stored tree (a padded draft
+    would fall back to a chain and accept nothing).
     """
     p, ref = reference
     target, drafter = models["random"]
@@ -185,13 +192,18 @@ def test_siblings_are_accepted_and_committed(
 
     monkeypatch.setattr(runner_module, "enable_ddtree", enable_and_remember)
     # B = 30 holds the whole binary tree of depth 4 (2 + 4 + 8 + 16 nodes).
-    spec = ddtree(drafter, 30)
+    spec = ddtree(drafter, budget)
     if max_children is not None:
         spec["ddtree_max_children"] = max_children
     out, stats = generate(target, p, spec)
     assert out == ref["random"]
     print("scripted siblings:", max_children, stats)
     mean_acceptance = 1 + stats["accepted"] / stats["drafts"]
+    assert stats["chain_fallbacks"] == 0, stats
+    real_nodes = {None: 30, 1: BLOCK_SIZE - 1, 2: 30}[max_children]
+    # Every draft is a whole tree of real nodes (a few are cut by max_tokens).
+    assert stats["draft_tokens"] <= real_nodes * stats["drafts"], stats
+    assert stats["draft_tokens"] >= 0.9 * real_nodes * stats["drafts"], stats
     if max_children == 1:
         assert stats["branch_paths"] == 0 and stats["accepted"] == 0, stats
     else:
@@ -256,3 +268,38 @@ def test_abort_mid_generation_frees_everything(models, reference):
     assert not any("abort-me" in r for r in runner._ddtree_stash._trees)
     assert core.scheduler.kv_cache_manager.usage == 0.0
     del llm
+
+
+def test_trees_survive_a_skipped_step(models, monkeypatch):
+    """A token budget below the batch's verify rows leaves decoding requests
+    unscheduled for a step; each keeps its tree and verifies it when scheduled
+    again (as a chain it would accept little: the oracle's tree is not a chain)."""
+    target, drafter = models["oracle"]
+    p = [[7 + i, 11 + i, 13 + i] for i in range(8)]  # prefill fits one step
+    ref, _ = generate(target, p)
+    skipped, alive = [], set()
+    orig_update = runner_module.DDTreeRunnerMixin._update_states
+
+    def update_and_count(self, scheduler_output):
+        alive.difference_update(scheduler_output.finished_req_ids)
+        scheduled = set(scheduler_output.num_scheduled_tokens)
+        skipped.append(len(alive - scheduled))
+        alive.update(scheduled)
+        return orig_update(self, scheduler_output)
+
+    monkeypatch.setattr(
+        runner_module.DDTreeRunnerMixin, "_update_states", update_and_count
+    )
+    # 8 requests x (root + 8 nodes) = 72 verify rows per step, 20 fit.
+    out, stats = generate(
+        target,
+        p,
+        ddtree(drafter, 8),
+        max_num_batched_tokens=20,
+        max_num_seqs=8,
+    )
+    print("skipped per step:", skipped, stats)
+    assert out == ref
+    assert sum(skipped) >= 8, f"requests left out of a step: {skipped}"
+    assert stats["chain_fallbacks"] == 0, stats
+    assert 1 + stats["accepted"] / stats["drafts"] >= 0.8 * BLOCK_SIZE, stats

@@ -53,3 +53,24 @@ def test_blanked_drafts_warn(monkeypatch):
     assert stash.parents_for("r", blank) == [-1] + list(range(len(blank)))
     assert len(recorder.messages) == 1
     assert "max_model_len" in recorder.messages[0]
+
+
+def test_put_returns_real_nodes_only_and_trees_stay_until_dropped():
+    """A tree with fewer real nodes than B sends only those to the scheduler; a
+    request missing from a step keeps its tree until it finishes or is preempted."""
+    logits = torch.full((2, 2, 20), float("-inf"))
+    logits[:, :, :3] = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(1))
+    tree = build_ddtree(logits, 16, torch.tensor([7, 8]))  # at most 3 + 9 = 12 nodes
+    stash = step.TreeStash()
+    drafts = stash.put(["a", "b"], tree)
+    counts = tree.num_nodes.tolist()
+    assert [len(d) for d in drafts] == counts and max(counts) < 16
+    assert drafts[0] == tree.tokens[0, 1 : counts[0] + 1].tolist()
+    parents = tree.parents[1, : counts[1] + 1].tolist()
+    stash.drop(None)
+    stash.drop(["a"])
+    assert len(stash) == 1
+    assert stash.parents_for("b", drafts[1]) == parents
+    assert stash.num_chain_fallbacks == 0
+    assert stash.parents_for("a", drafts[0]) == [-1] + list(range(counts[0]))
+    assert stash.num_chain_fallbacks == 1

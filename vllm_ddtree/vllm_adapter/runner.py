@@ -94,6 +94,14 @@ class DDTreeRunnerMixin:
             <= self.effective_drafter_max_model_len
         )
 
+    def _update_states(self, scheduler_output):
+        # Unscheduled requests keep their trees (they leave the batch for a step
+        # under token-budget pressure); finished and preempted ones do not. Here,
+        # not in _prepare_inputs: a step with no tokens still finishes requests.
+        self._ddtree_stash.drop(scheduler_output.finished_req_ids)
+        self._ddtree_stash.drop(scheduler_output.preempted_req_ids)
+        return super()._update_states(scheduler_output)
+
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._ddtree_step = None
@@ -102,7 +110,6 @@ class DDTreeRunnerMixin:
         spec_decode_metadata = out[1]
         num_reqs = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:num_reqs])
-        self._ddtree_stash.retain(req_ids)
         if spec_decode_metadata is None:
             return out
 
@@ -248,7 +255,10 @@ class DDTreeRunnerMixin:
         )
         if self.drafter.last_tree is not None:
             num_reqs = self.input_batch.num_reqs
-            self._ddtree_stash.put(
+            # Lists of each request's real nodes, not the [R, B] padded tensor:
+            # the scheduler then schedules (and the spec-decode counters count)
+            # real nodes only, and the stash finds the whole tree again.
+            draft = self._ddtree_stash.put(
                 list(self.input_batch.req_ids[:num_reqs]), self.drafter.last_tree
             )
             self.drafter.last_tree = None

@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The worker-side tree of each request between proposing and verifying.
 
-Only the B node tokens of a tree travel to the scheduler and back. The structure
-(parents, hence depths and the mask) stays here, keyed by request id, and is
-re-attached to the tokens the scheduler actually scheduled: a prefix of the node
-list (node order is parents-first, so a prefix is a valid tree). When the
-scheduled tokens are not a prefix of the stored tree (no tree was stored, the
-request was preempted, drafts were replaced), the drafts are verified as a
-chain, which is always lossless.
+Only the real node tokens of a tree (at most B: a drafter step can yield fewer)
+travel to the scheduler and back. The structure (parents, hence depths and the
+mask) stays here, keyed by request id, and is re-attached to the tokens the
+scheduler actually scheduled: a prefix of the node list (node order is
+parents-first, so a prefix is a valid tree). A tree is kept until its request
+is drafted again, finishes or is preempted, so a request the scheduler skips for
+a step (token-budget pressure) still verifies its tree when it comes back. When
+the scheduled tokens are not a prefix of the stored tree (no tree was stored,
+drafts were replaced), the drafts are verified as a chain, which is always
+lossless.
 """
 
 from __future__ import annotations
@@ -29,24 +32,32 @@ class TreeStash:
 
     def __init__(self) -> None:
         self._trees: dict[str, tuple[list[int], list[int]]] = {}
+        # Requests whose scheduled drafts matched no stored tree (verified as a
+        # chain): vLLM blanked or replaced them, or the tree was lost.
+        self.num_chain_fallbacks = 0
 
-    def put(self, req_ids: list[str], tree: DraftTree) -> None:
+    def put(self, req_ids: list[str], tree: DraftTree) -> list[list[int]]:
+        """Stores the batch's trees; returns each request's real node tokens
+        (node order), the drafts the scheduler gets: padding rows of a tree with
+        fewer than B nodes are never verified."""
         # One device->host copy per step for the whole batch.
         tokens = tree.tokens.cpu().tolist()
         parents = tree.parents.cpu().tolist()
         counts = tree.num_nodes.cpu().tolist()
+        drafts = []
         for b, req_id in enumerate(req_ids):
             n = counts[b]
             self._trees[req_id] = (tokens[b][1 : n + 1], parents[b][: n + 1])
+            drafts.append(tokens[b][1 : n + 1])
+        return drafts
 
-    def drop(self, req_id: str) -> None:
-        self._trees.pop(req_id, None)
+    def drop(self, req_ids) -> None:
+        """Forgets the trees of ``req_ids`` (finished or preempted requests)."""
+        for req_id in req_ids or ():
+            self._trees.pop(req_id, None)
 
-    def retain(self, req_ids) -> None:
-        """Forgets requests that left the batch."""
-        keep = set(req_ids)
-        for req_id in [r for r in self._trees if r not in keep]:
-            del self._trees[req_id]
+    def __len__(self) -> int:
+        return len(self._trees)
 
     def parents_for(self, req_id: str, scheduled: list[int]) -> list[int]:
         """Parents (root first) of the scheduled drafts: the stored tree's or a
@@ -59,6 +70,8 @@ class TreeStash:
             and stored[0][:n] == list(scheduled)
         ):
             return stored[1][: n + 1]
+        if n > 0:
+            self.num_chain_fallbacks += 1
         if stored is not None and n > 0 and not any(scheduled):
             # vLLM 0.32's scheduler replaces every draft of a request by token 0
             # when its drafts would not fit under max_model_len.
