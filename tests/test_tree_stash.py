@@ -58,9 +58,9 @@ def test_blanked_drafts_warn(monkeypatch):
 def test_put_returns_real_nodes_only_and_trees_stay_until_dropped():
     """A tree with fewer real nodes than B sends only those to the scheduler; a
     request missing from a step keeps its tree until it finishes or is preempted."""
-    logits = torch.full((2, 2, 20), float("-inf"))
-    logits[:, :, :3] = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(1))
-    tree = build_ddtree(logits, 16, torch.tensor([7, 8]))  # at most 3 + 9 = 12 nodes
+    logits = torch.randn(2, 2, 20, generator=torch.Generator().manual_seed(1))
+    # At most 3 children per node: 3 + 9 = 12 < 16 nodes.
+    tree = build_ddtree(logits, 16, torch.tensor([7, 8]), max_children=3)
     stash = step.TreeStash()
     drafts = stash.put(["a", "b"], tree)
     counts = tree.num_nodes.tolist()
