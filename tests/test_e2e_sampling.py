@@ -125,7 +125,17 @@ CONSTRAINED = {  # name -> SamplingParams kwargs, greedy, compared with no-spec 
     "logit_bias": dict(logit_bias={120: 6.0, 67: -2.0, 5: 3.0}),
     "allowed_token_ids": dict(allowed_token_ids=[5, 120, 121, 122, 200, EOS]),
     "logprobs": dict(logprobs=3, prompt_logprobs=2),
+    # History edits: each node's history is the output + the drafts on its path.
+    "plain": dict(),
+    "presence_penalty": dict(presence_penalty=1.5),
+    "frequency_penalty": dict(frequency_penalty=0.7),
+    "repetition_penalty": dict(repetition_penalty=1.5),
+    "penalties_and_bias": dict(repetition_penalty=1.3, frequency_penalty=0.3,
+                               logit_bias={120: 1.0}),
+    "bad_words": None,  # 3 greedy tokens of the first prompt (set by `reference`)
 }
+HISTORY_EDITS = ["presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "penalties_and_bias", "bad_words"]
 
 
 def constrained_params(name):
@@ -156,6 +166,19 @@ def reference(models):
     """Everything from engines other than the shared ddtree engine, one at a time:
     non-speculative vLLM (the reference), then a second ddtree engine for seeds."""
     target, drafter = models["two_way"]
+    # A three-token bad word on the greedy path of the first prompt (the target's
+    # law depends on the last token only, so that path is known exactly): it bans
+    # a token at a draft node whose own path completes the word's prefix, which
+    # only that node's history (output + its ancestors) shows.
+    from transformers import AutoTokenizer
+
+    last = GREEDY_PROMPTS[0][-1]
+    path = []
+    for _ in range(3):
+        last = int(next_token_probs(models, last).argmax())
+        path.append(last)
+    word = AutoTokenizer.from_pretrained(target).decode(path)
+    CONSTRAINED["bad_words"] = dict(bad_words=[word])
     ref = {}
     llm = make_llm(target)
     ref["dist"] = run(llm, [DIST_PROMPT] * N_DIST, SP(**DIST_PARAMS))
@@ -347,11 +370,28 @@ def test_seeded_requests_reproduce(reference, engine):
     assert other[0] != alone[1]
 
 
+@pytest.mark.parametrize("name", HISTORY_EDITS)
+def test_history_edits_change_the_output(reference, name):
+    """Each penalty / bad word changes the greedy output (so the equality test
+    above can see a wrong history)."""
+    changed = [list(a.outputs[0].token_ids) != list(b.outputs[0].token_ids)
+               for a, b in zip(reference[name], reference["plain"])]
+    assert any(changed), name
+
+
+def test_penalties_in_a_mixed_batch(reference, engine):
+    """Penalised, biased and plain greedy requests in one batch: each one as alone."""
+    names = ["plain", "presence_penalty", "repetition_penalty", "bad_words",
+             "penalties_and_bias", "logit_bias"]
+    prompts = [GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)] for i in range(len(names))]
+    params = [constrained_params(n) for n in names]
+    outs = run(engine, prompts, params)
+    for i, name in enumerate(names):
+        want = reference[name][i % len(GREEDY_PROMPTS)].outputs[0].token_ids
+        assert outs[i] == list(want), name
+
+
 REFUSED = {
-    "presence_penalty": dict(presence_penalty=0.5),
-    "frequency_penalty": dict(frequency_penalty=0.5),
-    "repetition_penalty": dict(repetition_penalty=1.2),
-    "bad_words": dict(bad_words=["ab"]),
     "structured_outputs": "structured",
     "logprob_token_ids": dict(logprobs=2, logprob_token_ids=[5, 6]),
     "thinking_token_budget": dict(thinking_token_budget=8),

@@ -9,13 +9,15 @@ need the node's depth or nothing at all are honoured by the runner
 * temperature, top_k, top_p, min_p, seed, n;
 * min_tokens (stop tokens are masked at the nodes whose depth is still below it);
 * logit_bias, allowed_token_ids (the same vocabulary edit on every node);
+* presence/frequency/repetition penalties and bad_words, per node with the node's
+  own history: the committed output + the drafts on its path (vLLM's chain rule
+  for speculative decoding, generalised to a tree);
 * logprobs (of the emitted tokens, any ``logprobs_mode``), prompt_logprobs;
 * stop, stop_token_ids, ignore_eos, max_tokens (applied by the scheduler to the
   committed tokens, as without speculation).
 
-Parameters whose effect depends on the token history along a path (penalties,
-bad_words, structured output, the thinking budget) would need one history per
-tree node; vLLM's chain sampler assumes a chain. They are refused here, per
+Structured output and the thinking budget need a grammar / reasoning state per
+tree node; vLLM's implementations assume a chain. They are refused here, per
 request, with :class:`DDTreeUnsupportedParameterError`: ``LLM.generate`` raises
 it, the OpenAI server answers HTTP 400, and the engine keeps serving.
 
@@ -76,14 +78,6 @@ def check_sampling_params(params, vocab_size: int | None = None) -> None:
     """Raises :class:`DDTreeUnsupportedParameterError` naming the first refused
     parameter of ``params`` (a vLLM ``SamplingParams``); validates what ddtree
     takes over from vLLM's spec-decode check (logit_bias token ids)."""
-    if params.presence_penalty != 0.0:
-        _refuse("presence_penalty", params.presence_penalty, _HISTORY)
-    if params.frequency_penalty != 0.0:
-        _refuse("frequency_penalty", params.frequency_penalty, _HISTORY)
-    if params.repetition_penalty != 1.0:
-        _refuse("repetition_penalty", params.repetition_penalty, _HISTORY)
-    if params.bad_words:
-        _refuse("bad_words", params.bad_words, _HISTORY)
     if params.structured_outputs is not None:
         _refuse(
             "structured_outputs",

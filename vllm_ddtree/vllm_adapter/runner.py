@@ -184,11 +184,13 @@ class DDTreeRunnerMixin:
             device = logits.device
             tree = _root_only_tree(num_reqs, device)
             rows = torch.arange(num_reqs, device=device).unsqueeze(1)
-            target_logits = logits[:num_reqs].unsqueeze(1)
-            if extras.has_constraints(self.input_batch.sampling_metadata):
-                target_logits = target_logits.clone()  # keep raw logits for logprobs
+            target_logits = logits[:num_reqs].unsqueeze(1)  # [R, 1, V] (a view)
+            if extras.edits_logits(self.input_batch.sampling_metadata):
+                # Edited in float32, as vLLM's sampler does; raw logits kept for
+                # logprobs.
+                target_logits = target_logits.to(torch.float32, copy=True)
             out, logprobs = _verify_batch(
-                self, tree, target_logits, rows, logits, extras, width=1
+                self, tree, target_logits, rows, logits, extras, None, width=1
             )
             return SamplerOutput(
                 sampled_token_ids=out.committed_tokens[:, :1].to(torch.int32),
@@ -202,9 +204,23 @@ class DDTreeRunnerMixin:
         first = torch.cumsum(counts, 0) - counts
         offsets = torch.arange(tree.num_rows, device=device).unsqueeze(0)
         index = first.unsqueeze(1) + torch.minimum(offsets, (counts - 1).unsqueeze(1))
-        target_logits = logits[index.reshape(-1)].view(num_reqs, tree.num_rows, -1)
+        edits = extras.edits_logits(self.input_batch.sampling_metadata)
+        if not edits and all(n + 1 == tree.num_rows for n in step.num_drafts):
+            # Every block is full: the verify rows are the logits, no copy.
+            target_logits = logits[: num_reqs * tree.num_rows].view(
+                num_reqs, tree.num_rows, -1
+            )
+        else:
+            # [R, N + 1, V]: padded blocks gathered; edits need a private copy,
+            # in float32 (vLLM's sampler edits float32 logits: a bf16 edit
+            # would round).
+            target_logits = logits[index.reshape(-1)].view(num_reqs, tree.num_rows, -1)
+            if edits:
+                target_logits = target_logits.float()
 
-        out, logprobs = _verify_batch(self, tree, target_logits, index, logits, extras)
+        out, logprobs = _verify_batch(
+            self, tree, target_logits, index, logits, extras, step
+        )
         total = int(self._ddtree_linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
         if self._ddtree_attn.requests:
@@ -305,7 +321,14 @@ _warned: set[str] = set()
 class _BatchExtras:
     """What a step needs from the requests' own SamplingParams (batch row order)."""
 
-    __slots__ = ("seeded_rows", "seeds", "seeded_out_lens", "min_p", "logit_bias")
+    __slots__ = (
+        "seeded_rows",
+        "seeds",
+        "seeded_out_lens",
+        "min_p",
+        "logit_bias",
+        "history_rows",
+    )
 
     def __init__(self) -> None:
         self.seeded_rows: list[int] = []  # random (T > 0) requests with a seed
@@ -313,15 +336,19 @@ class _BatchExtras:
         self.seeded_out_lens: list[int] = []  # output tokens committed before this step
         self.min_p: list[float] | None = None  # [R] when a random request has min_p > 0
         self.logit_bias: list[tuple[int, dict[int, float]]] = []
+        # Requests whose edits read the token history (penalties, bad words).
+        self.history_rows: list[int] = []
 
     @property
     def needs_own_sampler(self) -> bool:
         return bool(self.seeded_rows or self.min_p is not None or self.logit_bias)
 
-    def has_constraints(self, metadata) -> bool:
-        """Whether the target logits get edited (bias, allowed ids, min_tokens)."""
+    def edits_logits(self, metadata) -> bool:
+        """Whether the target logits get edited (bias, allowed ids, min_tokens,
+        penalties, bad words)."""
         return bool(
             self.logit_bias
+            or self.history_rows
             or metadata.allowed_token_ids_mask is not None
             or _min_tokens_state(metadata)
         )
@@ -338,6 +365,13 @@ def _scan_requests(runner, num_reqs: int) -> _BatchExtras:
             continue
         if sp.logit_bias:
             extras.logit_bias.append((b, sp.logit_bias))
+        if (
+            sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0
+            or sp.repetition_penalty != 1.0
+            or sp.bad_words_token_ids
+        ):
+            extras.history_rows.append(b)
         if sp.temperature < SAMPLING_EPS:
             continue
         if sp.seed is not None:
@@ -367,10 +401,6 @@ def _warn_unsupported(metadata) -> None:
     """Refused features that reached the worker anyway (request-time validation
     bypassed, e.g. a pre-built EngineCoreRequest): say so once, loudly."""
     found = []
-    if not metadata.no_penalties:
-        found.append("presence/frequency/repetition penalties")
-    if metadata.bad_words_token_ids:
-        found.append("bad_words")
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         found.append("thinking_token_budget")
@@ -387,14 +417,23 @@ def _warn_unsupported(metadata) -> None:
 
 
 def _apply_constraints(
-    target: torch.Tensor, depths: torch.Tensor, metadata, extras: _BatchExtras
+    runner,
+    target: torch.Tensor,
+    depths: torch.Tensor,
+    metadata,
+    extras: _BatchExtras,
+    step: StepTrees | None,
 ) -> None:
-    """In place on target [R, rows, V]: the logit edits vLLM's sampler makes before
-    temperature, per tree node. logit_bias and allowed_token_ids act on every node;
-    min_tokens masks the stop tokens at the nodes of depth d with
-    ``len(output) + d < min_tokens`` (node d predicts output token len(output) + d),
-    unless that would leave a node with no token at all (then the stop tokens are
-    kept there, as vLLM does for structured output)."""
+    """In place on float32 target [R, rows, V]: the logit edits vLLM's sampler
+    makes before temperature, per tree node (penalties after logit_bias, as
+    there; the -inf masks commute with the rest). logit_bias and
+    allowed_token_ids act on every node; min_tokens masks the stop tokens at the
+    nodes of depth d with ``len(output) + d < min_tokens`` (node d predicts output
+    token len(output) + d), unless that would leave a node with no token at all
+    (then the stop tokens are kept there, as vLLM does for structured output).
+    Bad words and penalties read each node's own token history: the committed
+    output + the drafts on the path to it (vLLM's chain rule, for a tree), through
+    vLLM's own ``apply_bad_words`` and ``apply_all_penalties``."""
     num_reqs, _, vocab = target.shape
     device = target.device
     for b, bias in extras.logit_bias:
@@ -416,6 +455,39 @@ def _apply_constraints(
         target[b, :, ids] = masked
         dead = torch.isneginf(target[b]).all(dim=-1, keepdim=True)
         target[b, :, ids] = torch.where(dead, kept, masked)
+    if extras.history_rows:
+        _apply_history_edits(runner, target, metadata, extras.history_rows, step)
+
+
+def _apply_history_edits(runner, target, metadata, rows: list[int], step) -> None:
+    """Bad words, then presence/frequency/repetition penalties, per tree node of
+    each request in ``rows``; node i's history is the request's output tokens +
+    the draft tokens on the path root..i (the root is the last output token)."""
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    num_rows = target.shape[1]
+    req_ids = runner.input_batch.req_ids
+    for b in rows:
+        output = runner.requests[req_ids[b]].output_token_ids
+        paths = step.path_tokens(b) if step is not None else [[]] * num_rows
+        histories = [output + path for path in paths]
+        node_logits = target[b]  # [rows, V], a view: edited in place
+        bad_words = metadata.bad_words_token_ids.get(b)
+        if bad_words:
+            apply_bad_words(
+                node_logits, dict.fromkeys(range(num_rows), bad_words), histories
+            )
+        if not metadata.no_penalties:
+            one = torch.tensor([b], device=target.device).expand(num_rows)
+            apply_all_penalties(
+                node_logits,
+                metadata.prompt_token_ids[one],
+                metadata.presence_penalties[one],
+                metadata.frequency_penalties[one],
+                metadata.repetition_penalties[one],
+                histories,
+            )
 
 
 def _verify_batch(
@@ -425,19 +497,22 @@ def _verify_batch(
     flat_rows: torch.Tensor,
     logits: torch.Tensor,
     extras: _BatchExtras,
+    step: StepTrees | None,
     width: int | None = None,
 ):
     """verify_tree with every request's own parameters -> (output, LogprobsTensors).
 
-    ``target_logits`` [R, rows, V] may be edited in place; ``flat_rows`` [R, rows]
-    maps tree rows to rows of the untouched ``logits`` (raw logprobs). ``width``:
-    committed columns the caller returns (logprobs rows per request)."""
+    ``target_logits`` [R, rows, V] is a private float32 copy whenever
+    ``extras.edits_logits`` (edited in place); ``flat_rows`` [R, rows] maps tree
+    rows to rows of the untouched ``logits`` (raw logprobs). ``step``: the step's
+    trees (None: root-only rows). ``width``: committed columns the caller returns
+    (logprobs rows per request)."""
     metadata = runner.input_batch.sampling_metadata
     num_reqs = tree.num_reqs
     device = target_logits.device
     _warn_unsupported(metadata)
-    if extras.has_constraints(metadata):
-        _apply_constraints(target_logits, tree.depths, metadata, extras)
+    if extras.edits_logits(metadata):
+        _apply_constraints(runner, target_logits, tree.depths, metadata, extras, step)
     params = _sampling_params(metadata, num_reqs, device, extras.min_p)
     ddtree = runner._ddtree
     method = ddtree.verify

@@ -93,6 +93,25 @@ class StepTrees:
     block_starts: torch.Tensor
     # Per request: draft tokens scheduled (tree rows 1..n_r are real).
     num_drafts: list[int]
+    # Per request, host lists: parents (root first, -1) and tokens (root first).
+    parents: list[list[int]]
+    tokens: list[list[int]]
+
+    def path_tokens(self, b: int) -> list[list[int]]:
+        """Request ``b``'s draft tokens on the path root..i (root excluded), for
+        every tree row i; padding rows repeat the last real row, as the verify
+        rows do. Row i's token history is the committed output + this list."""
+        return path_tokens(self.parents[b], self.tokens[b], self.tree.num_rows)
+
+
+def path_tokens(
+    parents: list[int], tokens: list[int], num_rows: int
+) -> list[list[int]]:
+    """Per tree row, the tokens of its ancestors-or-self below the root."""
+    paths: list[list[int]] = [[]]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + [tokens[i]])
+    return paths + [paths[-1]] * (num_rows - len(paths))
 
 
 def build_step_trees(
@@ -124,7 +143,11 @@ def build_step_trees(
     depth = _max_depth(parents)
     tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1), device=device)
     return StepTrees(
-        tree, torch.tensor(starts, dtype=torch.int64, device=device), num_drafts
+        tree,
+        torch.tensor(starts, dtype=torch.int64, device=device),
+        num_drafts,
+        parents,
+        tokens,
     )
 
 
