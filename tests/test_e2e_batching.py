@@ -123,3 +123,53 @@ def test_finish_inside_an_accepted_path(root):
         assert m["vllm:spec_decode_num_accepted_tokens"] > 0
         if params.max_tokens == 7:
             assert all(len(tokens) == 7 for tokens, _ in got)
+
+
+BLOCK = 32
+
+
+def test_second_turn_reuses_blocks_written_by_commits(root, monkeypatch):
+    """Turn 2's prompt = turn 1's prompt + answer: the prefix cache serves the
+    KV blocks ddtree wrote while decoding, including K/V that commits moved from a
+    sibling's slot across a block boundary. Equal to no speculation. (32-token
+    blocks: the smallest vLLM's CPU attention takes.)"""
+    from vllm_ddtree.vllm_adapter import runner as runner_module
+
+    target, drafter = make_pair(root, "oracle", block_size=5, oracle_noise=12.0)
+    first = random_prompts(6, lo=20, hi=40, seed=21)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    kw = dict(block_size=BLOCK, enable_prefix_caching=True, max_model_len=512)
+    ref1, _ = run(target, first, params, **kw)
+    second = [p + out + [7, 8] for p, (out, _) in zip(first, ref1)]
+    ref2, _ = run(target, second, params, **kw)
+
+    crossings = []
+    orig_sample = runner_module.DDTreeRunnerMixin._sample
+
+    def sample_and_record(self, logits, spec_decode_metadata):
+        out = orig_sample(self, logits, spec_decode_metadata)
+        plan = self._ddtree_plan
+        if plan is not None:
+            moved = plan.moved()
+            linear = self._ddtree_linear_positions
+            src = linear[plan.src_rows[moved]] // BLOCK
+            dst = linear[plan.dst_rows[moved]] // BLOCK
+            crossings.append(int((src != dst).sum()))
+        return out
+
+    monkeypatch.setattr(runner_module.DDTreeRunnerMixin, "_sample", sample_and_record)
+    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
+                   disable_log_stats=False, speculative_config=ddtree(drafter, 16),
+                   seed=0, **kw)
+    got1 = llm.generate([{"prompt_token_ids": p} for p in first], params, use_tqdm=False)
+    hits = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    got2 = llm.generate([{"prompt_token_ids": p} for p in second], params, use_tqdm=False)
+    after = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    del llm
+    assert [list(o.outputs[0].token_ids) for o in got1] == [t for t, _ in ref1]
+    assert [list(o.outputs[0].token_ids) for o in got2] == [t for t, _ in ref2]
+    # Turn 2 hit the cache for (about) every full block of turn 1's sequences.
+    reused = after["vllm:prefix_cache_hits"] - hits["vllm:prefix_cache_hits"]
+    full_blocks = sum((len(p) - 2) // BLOCK * BLOCK for p in second)
+    assert reused >= full_blocks - BLOCK * len(second), (reused, full_blocks)
+    assert sum(crossings) > 0, "no committed K/V moved across a block boundary"
