@@ -73,13 +73,7 @@ def speculative_config_hook(create_speculative_config):
             self, target_model_config, target_parallel_config
         )
         if ddtree is not None:
-            ddtree = _finalize(
-                result,
-                ddtree,
-                target_model_config,
-                target_parallel_config,
-                self.kv_cache_dtype,
-            )
+            ddtree = _finalize(result, ddtree, target_model_config, self.kv_cache_dtype)
             # A plain attribute: SpeculativeConfig forbids unknown *fields*, not
             # attributes, and pickles its __dict__ to engine and worker processes.
             object.__setattr__(result, "ddtree", ddtree)
@@ -92,7 +86,6 @@ def _finalize(
     spec,
     ddtree: DDTreeConfig,
     target_model_config,
-    target_parallel_config=None,
     kv_cache_dtype: str = "auto",
 ) -> DDTreeConfig:
     """Checks the drafter against the target and the refused options."""
@@ -124,7 +117,7 @@ def _finalize(
         and getattr(spec.target_parallel_config, "tensor_parallel_size", 1) != 1
     ):
         raise ValueError("ddtree supports tensor_parallel_size=1 only (for now)")
-    pipeline = getattr(target_parallel_config, "pipeline_parallel_size", 1) or 1
+    pipeline = getattr(spec.target_parallel_config, "pipeline_parallel_size", 1) or 1
     if pipeline != 1:
         # Only the last rank proposes, so the tree structure and the KV commit
         # would never reach the first rank's layers (causal branches, rejected

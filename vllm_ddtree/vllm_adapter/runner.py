@@ -480,7 +480,8 @@ def _apply_history_edits(runner, target, metadata, rows: list[int], step) -> Non
             )
         if not metadata.no_penalties:
             one = torch.tensor([b], device=target.device).expand(num_rows)
-            apply_all_penalties(
+            # vLLM edits in place and returns the logits; copy only if it did not.
+            penalised = apply_all_penalties(
                 node_logits,
                 metadata.prompt_token_ids[one],
                 metadata.presence_penalties[one],
@@ -488,6 +489,8 @@ def _apply_history_edits(runner, target, metadata, rows: list[int], step) -> Non
                 metadata.repetition_penalties[one],
                 histories,
             )
+            if penalised.data_ptr() != node_logits.data_ptr():
+                node_logits.copy_(penalised)
 
 
 def _verify_batch(
