@@ -281,7 +281,7 @@ def test_abort_mid_generation_frees_everything(models, reference):
 def test_trees_survive_a_skipped_step(models, monkeypatch):
     """A token budget below the batch's verify rows leaves decoding requests
     unscheduled for a step; each keeps its tree and verifies it when scheduled
-    again (as a chain it would accept little: the oracle's tree is not a chain)."""
+    again: no scheduled draft falls back to a chain (the stash counts them)."""
     target, drafter = models["oracle"]
     p = [[7 + i, 11 + i, 13 + i] for i in range(8)]  # prefill fits one step
     ref, _ = generate(target, p)
