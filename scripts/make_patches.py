@@ -191,6 +191,19 @@ HOOK_SITES = [
         "    def process_inputs(\n",
         "process_inputs_hook",
     ),
+    (
+        "vllm/v1/engine/core.py",
+        "from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, bytestr",
+        "    def preprocess_add_request(self, request: EngineCoreRequest) -> "
+        "tuple[Request, int]:\n",
+        "engine_add_request_hook",
+    ),
+    (
+        "vllm/v1/engine/llm_engine.py",
+        "from vllm.v1.metrics.stats import IterationStats",
+        "    def add_request(\n",
+        "llm_engine_add_request_hook",
+    ),
 ]
 
 
@@ -373,22 +386,28 @@ it sees B draft tokens per request and commits `accepted + 1`. All tree logic is
 in the worker: a runner mixin (tree inputs and positions, tree verification,
 KV commit of the accepted path, hidden states for the next DFlash round), a
 `DFlashProposer` subclass that builds the tree from the block's logits, and an
-attention backend with ancestor-only masks inside trees (CPU in this PR). Four
+attention backend with ancestor-only masks inside trees (CPU in this PR). Six
 decorators in hooks.py connect it, each a no-op unless ddtree is on:
 `EngineArgs.create_speculative_config`, `VllmConfig.
-_get_v2_model_runner_unsupported_features`, `GPUModelRunner.__init__` and
-`InputProcessor.process_inputs`.
+_get_v2_model_runner_unsupported_features`, `GPUModelRunner.__init__`,
+`InputProcessor.process_inputs`, `EngineCore.preprocess_add_request` and
+`LLMEngine.add_request` (the last two refuse pre-built requests that skipped
+`process_inputs`).
 
 Supported: greedy (token-identical to non-speculative greedy) and temperature
 sampling (temperature, top-k, top-p, min-p, seeds, n, logprobs, min_tokens,
-logit_bias, allowed_token_ids, stop conditions); batches mixing them; the V1
-model runner; tensor_parallel_size 1.
+logit_bias, allowed_token_ids, stop conditions); presence / frequency /
+repetition penalties and bad_words per tree node, with the node's own history
+(vLLM's chain rule, through apply_all_penalties / apply_bad_words); every logit
+edit in float32; batches mixing them; the V1 model runner; tensor_parallel_size
+1.
 Refused with a clear error: at config time async scheduling, the V2 model
-runner, TP > 1, drafters whose hidden size / vocabulary / mask token do not
-fit the target, M-RoPE and hybrid targets, platforms without tree attention
-(GPU tree attention is a follow-up); per request (HTTP 400, the engine keeps
-serving) penalties, bad_words, structured outputs and the thinking budget,
-whose effect depends on the path history.
+runner, TP > 1, PP > 1, drafters whose hidden size / vocabulary / mask token do
+not fit the target, M-RoPE and hybrid targets, sliding window, softcapping,
+ALiBi, KV sharing, quantized KV caches, platforms without tree attention (GPU
+tree attention is a follow-up); per request (HTTP 400, the engine keeps
+serving) structured outputs, the thinking budget and logprob_token_ids, which
+need a grammar / reasoning state per tree node.
 """,
     "tests": """[Spec Decode][Docs] DDTree: user guide and tests
 

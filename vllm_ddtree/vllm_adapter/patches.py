@@ -2,8 +2,9 @@
 """Installs ddtree into vLLM 0.32 at run time: the ``vllm.general_plugins`` entry
 point calls :func:`install` once per process.
 
-P1-P4 apply the decorators of :mod:`vllm_ddtree.vllm_adapter.hooks` to the vLLM
-methods they decorate in-tree in the upstream patch series (``patches/``):
+P1-P4, P7 and P8 apply the decorators of :mod:`vllm_ddtree.vllm_adapter.hooks`
+to the vLLM methods they decorate in-tree in the upstream patch series
+(``patches/``):
 
 * P1 ``EngineArgs.create_speculative_config``: accept ``"ddtree"`` (frontend).
 * P2 ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the
@@ -12,6 +13,10 @@ methods they decorate in-tree in the upstream patch series (``patches/``):
   :class:`DDTreeProposer` and (CPU) the tree-aware attention backend (worker;
   covers CPUModelRunner).
 * P4 ``InputProcessor.process_inputs``: refused sampling features, per request.
+* P7 ``EngineCore.preprocess_add_request``: the same refusal for requests that
+  reach the engine core without P4 (engine).
+* P8 ``LLMEngine.add_request``: the same refusal for a pre-built
+  ``EngineCoreRequest``, before the frontend tracks it (frontend).
 * P5 (CPU only) a vLLM 0.32 bug fix for every DFlash drafter, ddtree or not:
   ``DFlashQwen3Model._normalize_context_k`` normalizes all layers' context keys
   with one ``ops.rms_norm`` call and a stacked ``[num_layers, head_dim]`` weight;
@@ -24,7 +29,7 @@ methods they decorate in-tree in the upstream patch series (``patches/``):
   ``VLLM_DDTREE_UNVALIDATED_GPU=1`` on CUDA): :mod:`.gpu_opt_in`.
 
 Only P5 changes vLLM's behaviour when ddtree is off (it fixes in-tree
-``"dflash"`` on CPU); P1-P4 and P6 are no-ops unless an engine asks for ddtree.
+``"dflash"`` on CPU); P1-P4 and P6-P8 are no-ops unless an engine asks for ddtree.
 
 Every target is private vLLM API, so on any vLLM other than 0.32
 :func:`install` patches nothing of the above: it warns once and wraps only
@@ -44,7 +49,7 @@ _installed = False
 
 
 def install() -> None:
-    """Installs P1-P6 (idempotent)."""
+    """Installs P1-P8 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -57,7 +62,9 @@ def install() -> None:
         return
     from vllm.config.vllm import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     EngineArgs.create_speculative_config = hooks.speculative_config_hook(
@@ -72,6 +79,10 @@ def install() -> None:
     InputProcessor.process_inputs = hooks.process_inputs_hook(
         InputProcessor.process_inputs
     )
+    EngineCore.preprocess_add_request = hooks.engine_add_request_hook(
+        EngineCore.preprocess_add_request
+    )
+    LLMEngine.add_request = hooks.llm_engine_add_request_hook(LLMEngine.add_request)
     _fix_cpu_dflash_context_k_norm()
     gpu_opt_in.install()
     _installed = True

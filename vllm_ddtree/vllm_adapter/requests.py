@@ -19,7 +19,11 @@ need the node's depth or nothing at all are honoured by the runner
 Structured output and the thinking budget need a grammar / reasoning state per
 tree node; vLLM's implementations assume a chain. They are refused here, per
 request, with :class:`DDTreeUnsupportedParameterError`: ``LLM.generate`` raises
-it, the OpenAI server answers HTTP 400, and the engine keeps serving.
+it, the OpenAI server answers HTTP 400 (a streamed request: HTTP 200 and one
+error event, as for vLLM's own checks), and the engine keeps serving. Requests
+that skip ``process_inputs`` are checked where they enter instead
+(:func:`~vllm_ddtree.vllm_adapter.hooks.engine_add_request_hook`,
+:func:`~vllm_ddtree.vllm_adapter.hooks.llm_engine_add_request_hook`).
 
 vLLM 0.32 itself refuses ``min_p`` and ``logit_bias`` under speculative decoding
 (``SamplingParams._validate_spec_decode``) and builds no min-p / logit-bias logits

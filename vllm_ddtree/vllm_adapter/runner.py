@@ -24,7 +24,6 @@ A step of vLLM's V1 runner with ddtree on:
 from __future__ import annotations
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.commit import CommitPlan, plan_commit
@@ -36,7 +35,6 @@ from vllm_ddtree.vllm_adapter.step import StepTrees, TreeStash, build_step_trees
 
 __all__ = ["DDTreeRunnerMixin", "enable_ddtree"]
 
-logger = init_logger(__name__)
 
 _MIXED_CLASSES: dict[type, type] = {}
 
@@ -315,7 +313,6 @@ def _sampling_params(
 # --------------------------------------------------------------------------- #
 
 _MASK64 = (1 << 64) - 1
-_warned: set[str] = set()
 
 
 class _BatchExtras:
@@ -395,25 +392,6 @@ def _min_tokens_state(metadata) -> dict:
         if isinstance(proc, MinTokensLogitsProcessor):
             return proc.min_toks
     return {}
-
-
-def _warn_unsupported(metadata) -> None:
-    """Refused features that reached the worker anyway (request-time validation
-    bypassed, e.g. a pre-built EngineCoreRequest): say so once, loudly."""
-    found = []
-    holder = getattr(metadata, "thinking_budget_state_holder", None)
-    if holder is not None and holder.has_tracked_requests():
-        found.append("thinking_token_budget")
-    if getattr(metadata, "logprob_token_ids", None):
-        found.append("logprob_token_ids")
-    for name in found:
-        if name not in _warned:
-            _warned.add(name)
-            logger.error(
-                "ddtree does not apply %s, but a request using it reached the worker "
-                "(request-time validation was bypassed); its output ignores them",
-                name,
-            )
 
 
 def _apply_constraints(
@@ -513,7 +491,6 @@ def _verify_batch(
     metadata = runner.input_batch.sampling_metadata
     num_reqs = tree.num_reqs
     device = target_logits.device
-    _warn_unsupported(metadata)
     if extras.edits_logits(metadata):
         _apply_constraints(runner, target_logits, tree.depths, metadata, extras, step)
     params = _sampling_params(metadata, num_reqs, device, extras.min_p)
