@@ -16,6 +16,10 @@ Tiny models (vllm_ddtree.tiny_models), engine in-process, at most one LLM alive.
     allowed_token_ids, logprobs and prompt_logprobs match non-speculative vLLM;
   - seeded requests reproduce exactly across engines, batches, budgets, chunking;
   - each refused parameter is a ValueError naming it, and the engine carries on.
+* the two-way pair with random o_proj / down_proj: the target's law depends on
+  the whole context through attention, so tree masks, positions, the KV commit
+  and per-node penalty histories show at T = 1 (joint law of 3 tokens vs
+  non-speculative vLLM, with a repetition penalty).
 """
 
 import gc
@@ -45,11 +49,13 @@ LONG_PROMPT = 600  # > the small engine's max_num_batched_tokens: chunked prefil
 # --------------------------------------------------------------------------- #
 
 
-def _two_way_target(path, a=0.05, b=0.045, seed=1):
-    """Oracle target whose lm_head is a E + b E[perm] (mask row 0), perm[EOS] = EOS_PARTNER."""
+def _two_way_target(path, a=0.05, b=0.045, seed=1, oracle_noise=0.0):
+    """Oracle target whose lm_head is a E + b E[perm] (mask row 0), perm[EOS] = EOS_PARTNER.
+    oracle_noise > 0: random o_proj / down_proj of that scale, so the law depends on
+    the whole context through attention (and is no longer known in closed form)."""
     from safetensors.torch import load_file, save_file
 
-    target = tiny_models.make_target(path, kind="oracle", seed=seed)
+    target = tiny_models.make_target(path, kind="oracle", seed=seed, oracle_noise=oracle_noise)
     file = f"{target}/model.safetensors"
     sd = load_file(file)
     emb = sd["model.embed_tokens.weight"].float()
@@ -73,8 +79,11 @@ def models(tmp_path_factory, vllm_patched):
     target, head, emb = _two_way_target(root / "two_way_target")
     drafter = tiny_models.make_dflash_drafter(
         root / "two_way_drafter", target, kind="oracle", block_size=BLOCK_SIZE, seed=2)
+    attention, _, _ = _two_way_target(root / "attention_target", oracle_noise=1.0)
+    attention_drafter = tiny_models.make_dflash_drafter(
+        root / "attention_drafter", attention, kind="oracle", block_size=BLOCK_SIZE, seed=2)
     return {"sharp": (str(sharp), str(sharp_drafter)), "two_way": (target, drafter),
-            "head": head, "emb": emb}
+            "attention": (attention, attention_drafter), "head": head, "emb": emb}
 
 
 def next_token_probs(models, last: int, temperature: float = 1.0) -> torch.Tensor:
@@ -86,9 +95,9 @@ def next_token_probs(models, last: int, temperature: float = 1.0) -> torch.Tenso
 
 def make_llm(target, speculative_config=None, **kw):
     kw.setdefault("max_model_len", 1024)
+    kw.setdefault("seed", 0)
     return vllm.LLM(model=target, dtype="float32", enforce_eager=True,
-                    disable_log_stats=False, speculative_config=speculative_config,
-                    seed=0, **kw)
+                    disable_log_stats=False, speculative_config=speculative_config, **kw)
 
 
 def ddtree(drafter, budget=BUDGET, **kw):
@@ -119,6 +128,12 @@ SP = vllm.SamplingParams
 # --------------------------------------------------------------------------- #
 
 DIST_PROMPT = [12, 34, DIST_LAST]
+# The attention-dependent target at T = 1 with top_k = 2 and a repetition penalty:
+# the joint law of 3 tokens has at most 8 cells. A short prompt, so one wrongly
+# visible tree token takes a large share of attention.
+ATTENTION_PARAMS = dict(temperature=1.0, top_k=2, repetition_penalty=1.3, max_tokens=3,
+                        ignore_eos=True)
+N_ATTENTION = 20000
 DIST_PARAMS = dict(temperature=1.0, top_k=3, top_p=0.9, max_tokens=3, ignore_eos=True)
 GREEDY_PROMPTS = prompts_ending_in([65, 67, 120, 31], seed=3)
 CONSTRAINED = {  # name -> SamplingParams kwargs, greedy, compared with no-spec vLLM
@@ -190,6 +205,13 @@ def reference(models):
                             constrained_params(name), use_tqdm=False)
         ref[name] = outs
     del llm  # before the next LLM: its teardown resets vLLM's global state
+    gc.collect()
+    # Another seed than the ddtree engines': independent random streams.
+    llm = make_llm(models["attention"][0], max_num_batched_tokens=2048, seed=1)
+    ref["attention"] = run(llm, [DIST_PROMPT] * N_ATTENTION, SP(**ATTENTION_PARAMS))
+    ref["attention_no_penalty"] = run(llm, [DIST_PROMPT] * (N_ATTENTION // 4),
+                                      SP(**{**ATTENTION_PARAMS, "repetition_penalty": 1.0}))
+    del llm
     gc.collect()
     # Second ddtree engine: smaller token budget (the long prompt is prefilled in
     # chunks), another node budget (other trees), seeded requests among others.
@@ -288,6 +310,39 @@ def test_distribution_matches_non_speculative(models, reference, engine):
                   f"bound={bound:.4f} accepted drafts={accepted}")
             assert cells <= 9
             assert tv <= bound, (seeded, name, tv, bound)
+
+
+def test_distribution_with_attention_and_a_penalty(models, reference):
+    """T = 1, top_k = 2, repetition_penalty = 1.3, on a target whose law depends
+    on the context through attention (o_proj, down_proj != 0): the joint law of
+    the first three tokens, ddtree vs N_ATTENTION plain vLLM requests (8 cells).
+    Here a tree row that sees a sibling (mask), a wrong position or a rejected
+    token's K/V, or a penalty that reads the wrong history, changes the law:
+    mutation-checked: sibling rows left to the causal kernel, TV 0.078; node
+    histories without the path tokens, TV 0.098; the bound is 0.040 at
+    delta = 1e-6 and the correct code gives TV 0.011."""
+    target, drafter = models["attention"]
+    ref = reference["attention"]
+    # The bound has power against a penalty ignored everywhere.
+    no_penalty = reference["attention_no_penalty"]
+    tv, _ = joint_tv(no_penalty, ref, slice(0, 3))
+    assert tv > 2 * tv_bound(8, len(no_penalty), N_ATTENTION), tv
+    llm = make_llm(target, ddtree(drafter), max_num_batched_tokens=2048)
+    outs = run(llm, [DIST_PROMPT] * N_ATTENTION, SP(**ATTENTION_PARAMS))
+    stats = spec_counts(llm)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    branch_paths = int(runner.ddtree_num_branch_paths)
+    del llm
+    gc.collect()
+    # The tree accepts most drafts, and often along a sibling (non-spine) path.
+    assert stats["accepted"] > 0.5 * N_ATTENTION, stats
+    assert branch_paths > 0.05 * N_ATTENTION, branch_paths
+    tv, cells = joint_tv(outs, ref, slice(0, 3))
+    bound = tv_bound(8, N_ATTENTION, N_ATTENTION)
+    print(f"attention target: n={N_ATTENTION} cells={cells} TV={tv:.4f} bound={bound:.4f} "
+          f"accepted={stats['accepted']} branch paths={branch_paths}")
+    assert cells <= 8
+    assert tv <= bound, (tv, bound)
 
 
 def test_min_p_keeps_only_the_top_token(models, engine):
