@@ -399,10 +399,10 @@ sampling (temperature, top-k, top-p, min-p, seeds, n, logprobs, min_tokens,
 logit_bias, allowed_token_ids, stop conditions); presence / frequency /
 repetition penalties and bad_words per tree node, with the node's own history
 (vLLM's chain rule, through apply_all_penalties / apply_bad_words); every logit
-edit in float32; batches mixing them; the V1 model runner; tensor_parallel_size
-1.
+edit in float32; batches mixing them; the V1 model runner; tensor
+parallelism (each worker commits its own KV heads).
 Refused with a clear error: at config time async scheduling, the V2 model
-runner, TP > 1, PP > 1, drafters whose hidden size / vocabulary / mask token do
+runner, PP > 1, drafters whose hidden size / vocabulary / mask token do
 not fit the target, M-RoPE and hybrid targets, sliding window, softcapping,
 ALiBi, KV sharing, quantized KV caches, platforms without tree attention (GPU
 tree attention is a follow-up); per request (HTTP 400, the engine keeps

@@ -49,25 +49,10 @@ LONG_PROMPT = 600  # > the small engine's max_num_batched_tokens: chunked prefil
 # --------------------------------------------------------------------------- #
 
 
-def _two_way_target(path, a=0.05, b=0.045, seed=1, oracle_noise=0.0):
-    """Oracle target whose lm_head is a E + b E[perm] (mask row 0), perm[EOS] = EOS_PARTNER.
-    oracle_noise > 0: random o_proj / down_proj of that scale, so the law depends on
-    the whole context through attention (and is no longer known in closed form)."""
-    from safetensors.torch import load_file, save_file
-
-    target = tiny_models.make_target(path, kind="oracle", seed=seed, oracle_noise=oracle_noise)
-    file = f"{target}/model.safetensors"
-    sd = load_file(file)
-    emb = sd["model.embed_tokens.weight"].float()
-    vocab = emb.shape[0]
-    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    j = int((perm == EOS_PARTNER).nonzero())
-    perm[j], perm[EOS] = perm[EOS].clone(), perm[j].clone()
-    head = a * emb + b * emb[perm]
-    head[tiny_models.MASK_TOKEN_ID] = 0.0
-    sd["lm_head.weight"] = head
-    save_file({k: v.contiguous() for k, v in sd.items()}, file, metadata={"format": "pt"})
-    return target, head, emb
+def _two_way_target(path, oracle_noise=0.0):
+    """tiny_models.make_two_way_target with perm[EOS] = EOS_PARTNER."""
+    return tiny_models.make_two_way_target(path, partner=(EOS, EOS_PARTNER),
+                                           oracle_noise=oracle_noise)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,10 @@ Targets (:func:`make_target`)
       drafter with the same head layout can copy them through its value path.
       ``oracle_noise > 0`` gives a target that only mostly repeats (partial
       acceptance).
+    - :func:`make_two_way_target`: an oracle target whose ``lm_head`` is
+      ``a E + b E[perm]``: after token ``x`` most of the mass is on ``x`` and
+      ``perm^-1(x)``, a spread law for sampling tests; with ``oracle_noise`` it
+      depends on the whole context through attention.
 
 Drafters (:func:`make_dflash_drafter`)
     The DFlash draft checkpoint vLLM 0.32 loads with
@@ -351,6 +355,56 @@ def make_target(
 # --------------------------------------------------------------------------- #
 # DFlash drafters
 # --------------------------------------------------------------------------- #
+
+
+def make_two_way_target(
+    path: str | os.PathLike,
+    *,
+    a: float = 0.05,
+    b: float = 0.045,
+    partner: tuple[int, int] | None = None,
+    seed: int = 1,
+    **target_kw,
+) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """An oracle target (:func:`make_target`, ``kind="oracle"``) whose
+    ``lm_head`` is ``a E + b E[perm]`` (the mask row zero), ``perm`` a random
+    permutation: after token ``x`` the target puts most of its mass on ``x``
+    and on ``perm^-1(x)``, and an oracle drafter sharing the head drafts that
+    same law. With ``oracle_noise`` = 0 (``o_proj = down_proj = 0``) the law
+    depends on the last token only, ``softmax(head @ E[x])``; with
+    ``oracle_noise`` > 0 it depends on the whole context through attention.
+
+    Args:
+        path: output directory.
+        a, b: the two terms' scales (logit spread about ``a`` and ``b`` times
+            the hidden size).
+        partner: ``(x, y)``: make ``perm[x] = y`` (e.g. ``(EOS, y)``: after
+            ``y`` the target emits EOS with some probability).
+        seed: weights and ``perm``.
+        target_kw: more :func:`make_target` arguments (shape, oracle_noise).
+
+    Returns:
+        ``(path, head, embeddings)``: the checkpoint directory and the float32
+        ``lm_head`` [V, H] and embedding [V, H] it holds.
+    """
+    from safetensors.torch import load_file, save_file
+
+    target = make_target(path, kind="oracle", seed=seed, **target_kw)
+    file = Path(target) / "model.safetensors"
+    sd = load_file(str(file))
+    emb = sd["model.embed_tokens.weight"].float()
+    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
+    if partner is not None:
+        x, y = partner
+        j = int((perm == y).nonzero())
+        perm[j], perm[x] = perm[x].clone(), perm[j].clone()
+    head = a * emb + b * emb[perm]
+    head[MASK_TOKEN_ID] = 0.0
+    sd["lm_head.weight"] = head.to(sd["lm_head.weight"].dtype)
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()}, str(file), metadata={"format": "pt"}
+    )
+    return target, head, emb
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:

@@ -116,11 +116,6 @@ def _finalize(
         raise ValueError(
             "ddtree does not support num_speculative_tokens_per_batch_size"
         )
-    if spec.draft_tensor_parallel_size not in (None, 1) or (
-        target_model_config is not None
-        and getattr(spec.target_parallel_config, "tensor_parallel_size", 1) != 1
-    ):
-        raise ValueError("ddtree supports tensor_parallel_size=1 only (for now)")
     pipeline = getattr(spec.target_parallel_config, "pipeline_parallel_size", 1) or 1
     if pipeline != 1:
         # Only the last rank proposes, so the tree structure and the KV commit
