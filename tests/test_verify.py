@@ -363,3 +363,36 @@ def test_placeholder_tokens_are_never_accepted(method):
         out = verify_tree(tree, logits, params, method=method, coins=coins)
         assert out.num_accepted.item() == 0 and out.committed_tokens[0, 0] == 0
     assert verify_tree(tree, logits).num_accepted.item() == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("method", METHODS)
+def test_row_index_reads_rows_in_place(method, backend):
+    """target_logits [M, V] + row_index [R, N + 1] (the runner's padded batches,
+    read without a copy) == the same rows as [R, N + 1, V]; rows outside the
+    index never matter."""
+    import os
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs here only under TRITON_INTERPRET=1")
+    pytest.importorskip("triton") if backend == "triton" else None
+    tree, target = random_case(11, num_reqs=4, vocab=10)
+    params = TreeSamplingParams.from_lists(
+        temperature=[0.0, 1.0, 0.7, 1.3], top_k=[-1, 3, 0, 0], top_p=[1.0, 0.9, 1.0, 1.0]
+    )
+    coins = draw_coins(4, tree.num_rows, "cpu")
+    want = verify_tree(tree, target, params, method=method, coins=coins)
+    num_reqs, rows, vocab = target.shape
+    # The rows scattered among garbage rows (+inf would fail validation if read).
+    order = torch.randperm(num_reqs * rows, generator=torch.Generator().manual_seed(3))
+    flat = torch.full((num_reqs * rows + 5, vocab), 1e4)
+    row_index = (order + 5).view(num_reqs, rows)
+    flat[row_index.reshape(-1)] = target.reshape(-1, vocab)
+    got = verify_tree(tree, flat, params, method=method, coins=coins,
+                      backend=backend, row_index=row_index)
+    for name in ("accepted_indices", "committed_tokens", "num_accepted"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with pytest.raises(ValueError, match="row_index"):
+        verify_tree(tree, flat, params, row_index=row_index[:, :-1])
+    with pytest.raises(ValueError, match="outside"):
+        verify_tree(tree, flat, params, row_index=row_index + 100)

@@ -77,25 +77,36 @@ def _check_inputs(
     threshold_acc: float,
     coins: tuple[torch.Tensor, torch.Tensor] | None,
     validate_values: bool,
+    row_index: torch.Tensor | None = None,
 ) -> None:
-    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
+    expected = (tree.num_reqs, tree.num_rows)
+    dims = 3 if row_index is None else 2
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != dims:
         shape = (
             tuple(target_logits.shape)
             if isinstance(target_logits, torch.Tensor)
             else None
         )
-        raise ValueError(
-            f"target_logits must have shape [num_reqs, N + 1, vocab_size], got {shape}"
-        )
+        want = "[num_reqs, N + 1, vocab_size]" if dims == 3 else "[num_logits, vocab]"
+        raise ValueError(f"target_logits must have shape {want}, got {shape}")
     if not target_logits.is_floating_point():
         raise ValueError(
             f"target_logits must be floating point, got {target_logits.dtype}"
         )
-    expected = (tree.num_reqs, tree.num_rows)
-    if tuple(target_logits.shape[:2]) != expected:
+    if row_index is None and tuple(target_logits.shape[:2]) != expected:
         raise ValueError(
             f"target_logits has shape {tuple(target_logits.shape)}, expected "
             f"[{expected[0]}, {expected[1]}, vocab_size] to match the tree"
+        )
+    if row_index is not None and (
+        tuple(row_index.shape) != expected
+        or row_index.dtype != torch.int64
+        or row_index.device != target_logits.device
+    ):
+        raise ValueError(
+            f"row_index must be an int64 tensor of shape [{expected[0]}, "
+            f"{expected[1]}] on {target_logits.device}, got {row_index.dtype} "
+            f"{tuple(row_index.shape)} on {row_index.device}"
         )
     if target_logits.device != tree.tokens.device:
         raise ValueError(
@@ -118,6 +129,12 @@ def _check_inputs(
                 f"({tuple(node_coins.shape)}, {tuple(final_coins.shape)})"
             )
     params.validate(tree.num_reqs, target_logits.device, check_values=validate_values)
+    if validate_values and row_index is not None:
+        if bool(((row_index < 0) | (row_index >= target_logits.shape[0])).any()):
+            raise ValueError(
+                f"row_index has entries outside [0, {target_logits.shape[0]})"
+            )
+        target_logits = target_logits[row_index]
     if validate_values:  # synchronizes with the device
         if torch.isnan(target_logits).any() or torch.isposinf(target_logits).any():
             raise ValueError("target_logits contains NaN or +inf values")
@@ -141,12 +158,15 @@ def verify_tree(
     threshold_acc: float = 1.0,
     backend: str = "auto",
     validate: bool = True,
+    row_index: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Verifies a batch of draft trees against the target's logits.
 
     Args:
         tree: the draft trees (R requests, N + 1 rows each).
-        target_logits: [R, N + 1, V] target logits; row i follows the path to node i.
+        target_logits: [R, N + 1, V] target logits; row i follows the path to node
+            i. With ``row_index``: [M, V], any rows (e.g. the target's logits for
+            the whole batch, read in place).
         params: per-request sampling parameters; ``None`` means all greedy. A batch
             may mix greedy and sampled requests with different parameters.
         method: ``"sample_walk"`` or ``"rejection"`` for sampled requests.
@@ -156,6 +176,10 @@ def verify_tree(
             rule; 1.0 (the default) is exact. Lower values are lossy.
         backend: ``"auto"`` (CUDA extension > Triton > torch), or one of them.
         validate: check values (NaN/inf, coin range) too; synchronizes the device.
+        row_index: [R, N + 1] int64: tree row i of request b is
+            ``target_logits[row_index[b, i]]``. The torch backend reads only the
+            rows on each walk, in place; the kernels get the rows gathered (until
+            they take a row index themselves).
 
     Returns:
         The :class:`TreeVerifyOutput`.
@@ -171,6 +195,7 @@ def verify_tree(
         threshold_acc,
         coins,
         validate,
+        row_index,
     )
     if coins is None:
         coins = draw_coins(
@@ -187,6 +212,7 @@ def verify_tree(
         threshold_single,
         threshold_acc,
         backend,
+        row_index,
     )
 
 
@@ -208,14 +234,16 @@ def verify_tree_torch(
     coins: tuple[torch.Tensor, torch.Tensor],
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    row_index: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Torch reference: vectorized over requests, one step per depth.
 
     Only the rows on each request's walk are processed (L + 1 rows instead of
     N + 1), so no [R, N + 1, V] temporary is made; this is also the test oracle of
-    the Triton and CUDA kernels.
+    the Triton and CUDA kernels. ``row_index``: see :func:`verify_tree`.
     """
-    num_reqs, rows, vocab = target_logits.shape
+    num_reqs, rows = tree.num_reqs, tree.num_rows
+    vocab = target_logits.shape[-1]
     device = target_logits.device
     node_coins, final_coins = coins
     width = tree.max_depth + 1
@@ -231,7 +259,10 @@ def verify_tree_torch(
     is_cpu = device.type == "cpu"
 
     def step_distribution(node: torch.Tensor):
-        raw = target_logits[req, node].float()  # [R, V]
+        if row_index is None:
+            raw = target_logits[req, node].float()  # [R, V]
+        else:
+            raw = target_logits[row_index[req, node]].float()
         if params.all_greedy:
             return raw, None
         z = apply_sampling_params(raw.clone(), params)

@@ -98,14 +98,25 @@ def tree_verify_dispatch(
     threshold_single: float,
     threshold_acc: float,
     backend: str = "auto",
+    row_index: torch.Tensor | None = None,
 ):
     from vllm_ddtree.verify import METHOD_IDS, TreeVerifyOutput, verify_tree_torch
 
     backend = resolve_backend(backend, target_logits.device)
     if backend == "torch":
         return verify_tree_torch(
-            tree, target_logits, params, method, coins, threshold_single, threshold_acc
+            tree,
+            target_logits,
+            params,
+            method,
+            coins,
+            threshold_single,
+            threshold_acc,
+            row_index,
         )
+    if row_index is not None:
+        # [R, N + 1, V]: the kernels index rows as request x tree row for now.
+        target_logits = target_logits[row_index]
     logits, temperature = kernel_inputs(target_logits, params)
     if backend == "triton":
         from vllm_ddtree.ops.triton_verify import tree_verify_triton as kernel

@@ -182,13 +182,8 @@ class DDTreeRunnerMixin:
             device = logits.device
             tree = _root_only_tree(num_reqs, device)
             rows = torch.arange(num_reqs, device=device).unsqueeze(1)
-            target_logits = logits[:num_reqs].unsqueeze(1)  # [R, 1, V] (a view)
-            if extras.edits_logits(self.input_batch.sampling_metadata):
-                # Edited in float32, as vLLM's sampler does; raw logits kept for
-                # logprobs.
-                target_logits = target_logits.to(torch.float32, copy=True)
             out, logprobs = _verify_batch(
-                self, tree, target_logits, rows, logits, extras, None, width=1
+                self, tree, rows, logits, extras, None, width=1
             )
             return SamplerOutput(
                 sampled_token_ids=out.committed_tokens[:, :1].to(torch.int32),
@@ -202,23 +197,7 @@ class DDTreeRunnerMixin:
         first = torch.cumsum(counts, 0) - counts
         offsets = torch.arange(tree.num_rows, device=device).unsqueeze(0)
         index = first.unsqueeze(1) + torch.minimum(offsets, (counts - 1).unsqueeze(1))
-        edits = extras.edits_logits(self.input_batch.sampling_metadata)
-        if not edits and all(n + 1 == tree.num_rows for n in step.num_drafts):
-            # Every block is full: the verify rows are the logits, no copy.
-            target_logits = logits[: num_reqs * tree.num_rows].view(
-                num_reqs, tree.num_rows, -1
-            )
-        else:
-            # [R, N + 1, V]: padded blocks gathered; edits need a private copy,
-            # in float32 (vLLM's sampler edits float32 logits: a bf16 edit
-            # would round).
-            target_logits = logits[index.reshape(-1)].view(num_reqs, tree.num_rows, -1)
-            if edits:
-                target_logits = target_logits.float()
-
-        out, logprobs = _verify_batch(
-            self, tree, target_logits, index, logits, extras, step
-        )
+        out, logprobs = _verify_batch(self, tree, index, logits, extras, step)
         total = int(self._ddtree_linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
         if self._ddtree_attn.requests:
@@ -474,7 +453,6 @@ def _apply_history_edits(runner, target, metadata, rows: list[int], step) -> Non
 def _verify_batch(
     runner,
     tree,
-    target_logits: torch.Tensor,
     flat_rows: torch.Tensor,
     logits: torch.Tensor,
     extras: _BatchExtras,
@@ -483,15 +461,19 @@ def _verify_batch(
 ):
     """verify_tree with every request's own parameters -> (output, LogprobsTensors).
 
-    ``target_logits`` [R, rows, V] is a private float32 copy whenever
-    ``extras.edits_logits`` (edited in place); ``flat_rows`` [R, rows] maps tree
-    rows to rows of the untouched ``logits`` (raw logprobs). ``step``: the step's
-    trees (None: root-only rows). ``width``: committed columns the caller returns
-    (logprobs rows per request)."""
+    ``flat_rows`` [R, rows] maps tree rows to rows of ``logits`` [num_logits, V].
+    Without logit edits verification reads those rows in place; with edits, a
+    private float32 copy ``target_logits`` [R, rows, V] is edited (vLLM's sampler
+    edits float32 logits: a bf16 edit would round) and ``logits`` stays untouched
+    for raw logprobs. ``step``: the step's trees (None: root-only rows).
+    ``width``: committed columns the caller returns (logprobs rows per request)."""
     metadata = runner.input_batch.sampling_metadata
     num_reqs = tree.num_reqs
-    device = target_logits.device
+    device = logits.device
+    target_logits = None
     if extras.edits_logits(metadata):
+        target_logits = logits[flat_rows.reshape(-1)].view(num_reqs, tree.num_rows, -1)
+        target_logits = target_logits.float()  # (indexing made the copy)
         _apply_constraints(runner, target_logits, tree.depths, metadata, extras, step)
     params = _sampling_params(metadata, num_reqs, device, extras.min_p)
     ddtree = runner._ddtree
@@ -507,7 +489,7 @@ def _verify_batch(
             method = "sample_walk"
     out = verify_tree(
         tree,
-        target_logits,
+        logits if target_logits is None else target_logits,
         params,
         method=method,
         coins=coins,
@@ -515,6 +497,7 @@ def _verify_batch(
         threshold_acc=ddtree.threshold_acc,
         backend=ddtree.kernel_backend,
         validate=False,
+        row_index=flat_rows if target_logits is None else None,
     )
     logprobs = _logprobs_tensors(
         runner, metadata, logits, flat_rows, target_logits, out, params, width
@@ -619,7 +602,8 @@ def _logprobs_tensors(
     -1 placeholders included and filtered by vLLM's parse_output), like vLLM's
     rejection sampler: row j of request b is the target at the accepted node of
     depth j. Raw modes read the untouched logits, processed modes the edited ones
-    after temperature, min-p, top-k and top-p."""
+    (``target_logits``; None: no edits) after temperature, min-p, top-k and
+    top-p."""
     num_logprobs = metadata.max_num_logprobs
     if num_logprobs is None:
         return None
@@ -638,7 +622,10 @@ def _logprobs_tensors(
     else:
         req = torch.arange(num_reqs, device=nodes.device).unsqueeze(1).expand(-1, width)
         req = req.reshape(-1)
-        rows = target_logits[req, nodes.reshape(-1)].float()
+        if target_logits is None:  # no edits: the raw rows
+            rows = logits[flat_rows.gather(1, nodes).reshape(-1)].float()
+        else:
+            rows = target_logits[req, nodes.reshape(-1)].float()
         rows = apply_sampling_params(rows, params.select(req))
         logprobs = rows.log_softmax(dim=-1) if mode == "processed_logprobs" else rows
     return Sampler.gather_logprobs(logprobs, num_logprobs, tokens)
