@@ -375,10 +375,13 @@ def test_row_index_reads_rows_in_place(method, backend):
 
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs here only under TRITON_INTERPRET=1")
-    pytest.importorskip("triton") if backend == "triton" else None
+    if backend == "triton":
+        pytest.importorskip("triton")
     tree, target = random_case(11, num_reqs=4, vocab=10)
     params = TreeSamplingParams.from_lists(
-        temperature=[0.0, 1.0, 0.7, 1.3], top_k=[-1, 3, 0, 0], top_p=[1.0, 0.9, 1.0, 1.0]
+        temperature=[0.0, 1.0, 0.7, 1.3],
+        top_k=[-1, 3, 0, 0],
+        top_p=[1.0, 0.9, 1.0, 1.0],
     )
     coins = draw_coins(4, tree.num_rows, "cpu")
     want = verify_tree(tree, target, params, method=method, coins=coins)
@@ -388,8 +391,15 @@ def test_row_index_reads_rows_in_place(method, backend):
     flat = torch.full((num_reqs * rows + 5, vocab), 1e4)
     row_index = (order + 5).view(num_reqs, rows)
     flat[row_index.reshape(-1)] = target.reshape(-1, vocab)
-    got = verify_tree(tree, flat, params, method=method, coins=coins,
-                      backend=backend, row_index=row_index)
+    got = verify_tree(
+        tree,
+        flat,
+        params,
+        method=method,
+        coins=coins,
+        backend=backend,
+        row_index=row_index,
+    )
     for name in ("accepted_indices", "committed_tokens", "num_accepted"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     with pytest.raises(ValueError, match="row_index"):
