@@ -9,7 +9,8 @@ One process, one machine, the same prompts for every method:
   (../shared/docs/environment-cpu.md), so it is not a baseline there;
 * ``chain``: ddtree with ``ddtree_max_children = 1`` and B = K: the same argmax chain,
   verified by this project's lossless sampler (the T = 1 chain baseline);
-* ``ddtree-B`` for every ``--budgets`` B.
+* ``ddtree-B`` for every ``--budgets`` B (``ddtree_budget="fixed"``);
+* ``ddtree-auto``: ``ddtree_budget="auto"`` up to the largest B.
 
 For each method, temperature and batch size it reports, per dataset and over all:
 mean acceptance length tau (1 + accepted drafts per verify step, from vLLM's spec
@@ -190,7 +191,11 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
     specs["chain"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": chain_k,
                       "ddtree_max_children": 1}
     for b in budgets:
-        specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}
+        specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": b,
+                                "ddtree_budget": "fixed"}
+    # The cost-aware budget, up to the largest fixed one.
+    specs["ddtree-auto"] = {"method": "ddtree", "model": drafter,
+                            "num_speculative_tokens": max(budgets), "ddtree_budget": "auto"}
     return specs
 
 

@@ -49,6 +49,7 @@ CORE_FILES = {
     "vllm_ddtree/sampling.py": f"{INTREE}/sampling.py",
     "vllm_ddtree/verify.py": f"{INTREE}/verify.py",
     "vllm_ddtree/commit.py": f"{INTREE}/commit.py",
+    "vllm_ddtree/budget.py": f"{INTREE}/budget.py",
     "vllm_ddtree/ops/__init__.py": f"{INTREE}/ops/__init__.py",
     "vllm_ddtree/ops/triton_verify.py": f"{INTREE}/ops/triton_verify.py",
 }
@@ -64,6 +65,7 @@ ADAPTER_FILES = {
         "attn_context",
         "cpu_attention",
         "requests",
+        "budget_control",
     )
 }
 TEST_FILES = {

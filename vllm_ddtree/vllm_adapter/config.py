@@ -48,6 +48,12 @@ class DDTreeConfig:
     kernel_backend: str = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
+    budget_mode: str = "fixed"
+    """``"fixed"``: every tree has B nodes (``num_speculative_tokens``).
+    ``"auto"``: B is the largest budget; each step keeps, per request, the tree
+    prefix that maximises the batch's expected tokens per second under a step-cost
+    model fitted online, and drafts nothing (context-only drafter passes) while
+    drafting does not pay (:mod:`vllm_ddtree.vllm_adapter.budget_control`)."""
 
 
 # User-facing key -> DDTreeConfig field.
@@ -58,6 +64,7 @@ DDTREE_KEYS = {
     "ddtree_threshold_acc": "threshold_acc",
     "ddtree_kernel_backend": "kernel_backend",
     "ddtree_max_children": "max_children",
+    "ddtree_budget": "budget_mode",
 }
 
 
@@ -136,6 +143,10 @@ def _validate(cfg: DDTreeConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ValueError(f"ddtree_{name} must be in (0, 1], got {value!r}")
+    if cfg.budget_mode not in ("auto", "fixed"):
+        raise ValueError(
+            f"ddtree_budget must be 'auto' or 'fixed', got {cfg.budget_mode!r}"
+        )
     if cfg.kernel_backend not in ("auto", "cuda", "triton", "torch"):
         raise ValueError(
             "ddtree_kernel_backend must be 'auto', 'cuda', 'triton' or 'torch', got "

@@ -34,6 +34,9 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = min(ddtree.draft_len, ddtree.budget)
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
+        # False: the next pass only writes the drafter's context K/V (vLLM's
+        # K = 0 path) and drafts nothing (set by the auto budget).
+        self.draft_this_step = True
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # [R * L, V] full target-vocab logits of the mask positions.
@@ -45,6 +48,10 @@ class DDTreeProposer(DFlashProposer):
         """Returns [R, B] draft node tokens (tree rows 1..B; padding rows are 0)."""
         next_token_ids = kwargs["next_token_ids"]
         self._draft_logits = None
+        self.last_tree = None
+        if not self.draft_this_step:
+            # [R, 0]: the context K/V of this step's tokens is still written.
+            return super().propose(num_speculative_tokens=0, **kwargs)
         super().propose(num_speculative_tokens=self.draft_len, **kwargs)
         logits = self._draft_logits
         assert logits is not None, "the DFlash pass produced no draft logits"

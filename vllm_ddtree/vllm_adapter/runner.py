@@ -23,6 +23,9 @@ A step of vLLM's V1 runner with ddtree on:
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 from vllm.v1.outputs import SamplerOutput
 
@@ -51,7 +54,16 @@ def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
     runner.__class__ = _MIXED_CLASSES[cls]
     runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, ddtree, runner)
     runner._ddtree = ddtree
-    runner._ddtree_stash = TreeStash()
+    runner._ddtree_budget = None
+    if ddtree.budget_mode == "auto":
+        from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+
+        runner._ddtree_budget = BudgetController(
+            runner.drafter.draft_len, ddtree.budget, runner.device
+        )
+    runner._ddtree_stash = TreeStash(keep_path_probs=runner._ddtree_budget is not None)
+    runner._ddtree_step_clock = None
+    runner._ddtree_drafter_seconds = 0.0
     runner._ddtree_step = None
     runner._ddtree_linear_positions = None
     runner._ddtree_plan = None
@@ -72,6 +84,34 @@ class DDTreeRunnerMixin:
     _ddtree_step: StepTrees | None
     _ddtree_linear_positions: torch.Tensor | None
     _ddtree_plan: CommitPlan | None
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if self._ddtree_budget is not None:
+            self._ddtree_step_clock = (
+                time.perf_counter(),
+                scheduler_output.total_num_scheduled_tokens,
+            )
+            self._ddtree_drafter_seconds = 0.0
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        clock = self._ddtree_step_clock
+        if self._ddtree_budget is not None and clock is not None:
+            # Host time of the step: on CPU the work itself; the stash's
+            # device->host copy of the trees has synchronized before this point.
+            seconds = time.perf_counter() - clock[0] - self._ddtree_drafter_seconds
+            self._ddtree_budget.record_step(clock[1], seconds)
+            self._ddtree_step_clock = None
+        return out
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if self._ddtree_budget is not None and not kwargs.get("is_profiling", False):
+            # The auto budget's step-cost model, fitted on this machine now.
+            budget = self._ddtree_budget
+            max_rows = min(self.max_num_tokens, 512)
+            budget.profile(self, max_rows)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -198,6 +238,8 @@ class DDTreeRunnerMixin:
         offsets = torch.arange(tree.num_rows, device=device).unsqueeze(0)
         index = first.unsqueeze(1) + torch.minimum(offsets, (counts - 1).unsqueeze(1))
         out, logprobs = _verify_batch(self, tree, index, logits, extras, step)
+        if self._ddtree_budget is not None:
+            _calibrate(self, step, out)
         total = int(self._ddtree_linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
         if self._ddtree_attn.requests:
@@ -235,6 +277,10 @@ class DDTreeRunnerMixin:
                 aux_hidden_states = [
                     _permute_rows(h, plan.hidden_perm) for h in aux_hidden_states
                 ]
+        budget = self._ddtree_budget
+        if budget is not None:
+            self.drafter.draft_this_step = budget.draft_next()
+            started = time.perf_counter()
         draft = super().propose_draft_token_ids(
             scheduler_output,
             sampled_token_ids,
@@ -251,10 +297,19 @@ class DDTreeRunnerMixin:
             # Lists of each request's real nodes, not the [R, B] padded tensor:
             # the scheduler then schedules (and the spec-decode counters count)
             # real nodes only, and the stash finds the whole tree again.
+            tree = self.drafter.last_tree
+            if budget is not None:
+                tree = dataclasses.replace(tree, num_nodes=budget.choose(tree))
             draft = self._ddtree_stash.put(
-                list(self.input_batch.req_ids[:num_reqs]), self.drafter.last_tree
+                list(self.input_batch.req_ids[:num_reqs]), tree
             )
             self.drafter.last_tree = None
+        if budget is not None:
+            seconds = time.perf_counter() - started
+            self._ddtree_drafter_seconds = seconds
+            budget.record_drafter(
+                self.drafter.draft_this_step, self.input_batch.num_reqs, seconds
+            )
         self._ddtree_step = None
         self._ddtree_plan = None
         return draft
@@ -503,6 +558,29 @@ def _verify_batch(
         runner, metadata, logits, flat_rows, target_logits, out, params, width
     )
     return out, logprobs
+
+
+def _calibrate(runner, step: StepTrees, out) -> None:
+    """Feeds the auto budget what the target accepted of the verified trees."""
+    req_ids = runner.input_batch.req_ids
+    tree = step.tree
+    probs = torch.zeros(tree.num_reqs, tree.num_rows)
+    verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
+    for b, n in enumerate(step.num_drafts):
+        if n == 0:
+            continue
+        found = runner._ddtree_stash.path_probs_for(req_ids[b], step.tokens[b][1:])
+        if found is not None:
+            probs[b, 1 : n + 1] = torch.tensor(found)
+            verified[b, 1 : n + 1] = True
+    if bool(verified.any()):
+        device = tree.depths.device
+        verified = verified.to(device)
+        # Requests verified as a chain (no stored probabilities) count nowhere.
+        accepted = torch.where(verified.any(dim=1), out.num_accepted, 0)
+        runner._ddtree_budget.record_verify(
+            probs.to(device), tree.depths, verified, accepted
+        )
 
 
 _ROOT_TREES: dict[tuple[int, str], object] = {}

@@ -30,8 +30,11 @@ logger = init_logger(__name__)
 class TreeStash:
     """req_id -> (node tokens [n], parents [n + 1]) of the last proposed tree."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_path_probs: bool = False) -> None:
         self._trees: dict[str, tuple[list[int], list[int]]] = {}
+        # req_id -> draft path probability of each stored node (auto budgets).
+        self.keep_path_probs = keep_path_probs
+        self._path_probs: dict[str, list[float]] = {}
         # Requests whose scheduled drafts matched no stored tree (verified as a
         # chain): vLLM blanked or replaced them, or the tree was lost.
         self.num_chain_fallbacks = 0
@@ -44,17 +47,31 @@ class TreeStash:
         tokens = tree.tokens.cpu().tolist()
         parents = tree.parents.cpu().tolist()
         counts = tree.num_nodes.cpu().tolist()
+        probs = tree.scores.exp().cpu().tolist() if self.keep_path_probs else None
         drafts = []
         for b, req_id in enumerate(req_ids):
             n = counts[b]
             self._trees[req_id] = (tokens[b][1 : n + 1], parents[b][: n + 1])
+            if probs is not None:
+                self._path_probs[req_id] = probs[b][1 : n + 1]
             drafts.append(tokens[b][1 : n + 1])
         return drafts
+
+    def path_probs_for(self, req_id: str, scheduled: list[int]) -> list[float] | None:
+        """Draft path probabilities of the scheduled drafts, if they are a
+        prefix of the stored tree (else None: nothing to calibrate with)."""
+        stored = self._trees.get(req_id)
+        probs = self._path_probs.get(req_id)
+        n = len(scheduled)
+        if stored is None or probs is None or stored[0][:n] != list(scheduled):
+            return None
+        return probs[:n]
 
     def drop(self, req_ids) -> None:
         """Forgets the trees of ``req_ids`` (finished or preempted requests)."""
         for req_id in req_ids or ():
             self._trees.pop(req_id, None)
+            self._path_probs.pop(req_id, None)
 
     def __len__(self) -> int:
         return len(self._trees)
