@@ -198,6 +198,15 @@ def reference(models):
                                       SP(**{**ATTENTION_PARAMS, "repetition_penalty": 1.0}))
     del llm
     gc.collect()
+    # ddtree on the attention target (here: at most one LLM alive at a time).
+    attention_target, attention_drafter = models["attention"]
+    llm = make_llm(attention_target, ddtree(attention_drafter), max_num_batched_tokens=2048)
+    ref["attention_ddtree"] = run(llm, [DIST_PROMPT] * N_ATTENTION, SP(**ATTENTION_PARAMS))
+    ref["attention_ddtree_stats"] = spec_counts(llm)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    ref["attention_ddtree_stats"]["branch_paths"] = int(runner.ddtree_num_branch_paths)
+    del llm, runner
+    gc.collect()
     # Second ddtree engine: smaller token budget (the long prompt is prefilled in
     # chunks), another node budget (other trees), seeded requests among others.
     llm = make_llm(target, ddtree(drafter, budget=3), max_num_batched_tokens=256)
@@ -297,7 +306,7 @@ def test_distribution_matches_non_speculative(models, reference, engine):
             assert tv <= bound, (seeded, name, tv, bound)
 
 
-def test_distribution_with_attention_and_a_penalty(models, reference):
+def test_distribution_with_attention_and_a_penalty(reference):
     """T = 1, top_k = 2, repetition_penalty = 1.3, on a target whose law depends
     on the context through attention (o_proj, down_proj != 0): the joint law of
     the first three tokens, ddtree vs N_ATTENTION plain vLLM requests (8 cells).
@@ -306,19 +315,14 @@ def test_distribution_with_attention_and_a_penalty(models, reference):
     mutation-checked: sibling rows left to the causal kernel, TV 0.078; node
     histories without the path tokens, TV 0.098; the bound is 0.040 at
     delta = 1e-6 and the correct code gives TV 0.011."""
-    target, drafter = models["attention"]
     ref = reference["attention"]
     # The bound has power against a penalty ignored everywhere.
     no_penalty = reference["attention_no_penalty"]
     tv, _ = joint_tv(no_penalty, ref, slice(0, 3))
     assert tv > 2 * tv_bound(8, len(no_penalty), N_ATTENTION), tv
-    llm = make_llm(target, ddtree(drafter), max_num_batched_tokens=2048)
-    outs = run(llm, [DIST_PROMPT] * N_ATTENTION, SP(**ATTENTION_PARAMS))
-    stats = spec_counts(llm)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    branch_paths = int(runner.ddtree_num_branch_paths)
-    del llm
-    gc.collect()
+    outs = reference["attention_ddtree"]  # made in `reference`: one LLM at a time
+    stats = reference["attention_ddtree_stats"]
+    branch_paths = stats["branch_paths"]
     # The tree accepts most drafts, and often along a sibling (non-spine) path.
     assert stats["accepted"] > 0.5 * N_ATTENTION, stats
     assert branch_paths > 0.05 * N_ATTENTION, branch_paths
