@@ -105,15 +105,6 @@ class BudgetController:
             model = self.full_drafter_cost if full else self.context_drafter_cost
             model.update(num_reqs, seconds)
 
-    def record_verify(
-        self,
-        path_probs: torch.Tensor,
-        depths: torch.Tensor,
-        verified: torch.Tensor,
-        num_accepted: torch.Tensor,
-    ) -> None:
-        self.calibration.update(path_probs, depths, verified, num_accepted)
-
     # ------------------------------------------------------------------ #
     # Decisions
     # ------------------------------------------------------------------ #

@@ -578,7 +578,7 @@ def _calibrate(runner, step: StepTrees, out) -> None:
         verified = verified.to(device)
         # Requests verified as a chain (no stored probabilities) count nowhere.
         accepted = torch.where(verified.any(dim=1), out.num_accepted, 0)
-        runner._ddtree_budget.record_verify(
+        runner._ddtree_budget.calibration.update(
             probs.to(device), tree.depths, verified, accepted
         )
 
