@@ -107,7 +107,8 @@ class DDTreeRunnerMixin:
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        if self._ddtree_budget is not None and not kwargs.get("is_profiling", False):
+        is_profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if self._ddtree_budget is not None and not is_profiling:
             # The auto budget's step-cost model, fitted on this machine now.
             budget = self._ddtree_budget
             max_rows = min(self.max_num_tokens, 512)
