@@ -114,6 +114,15 @@ def test_pipeline_parallel_is_refused_at_start_up(pair):
                  pipeline_parallel_size=2, speculative_config=ddtree(drafter))
 
 
+def test_auto_budget_with_tensor_parallelism_is_refused_at_start_up(pair):
+    """Each worker would time its own steps and trim its own trees."""
+    target, drafter = pair
+    with pytest.raises(ValueError, match="ddtree_budget='auto'.*tensor_parallel_size=2"):
+        vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                 tensor_parallel_size=2,
+                 speculative_config={**ddtree(drafter), "ddtree_budget": "auto"})
+
+
 def test_quantized_kv_cache_is_refused_at_start_up(pair):
     target, drafter = pair
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):

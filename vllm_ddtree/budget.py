@@ -179,3 +179,14 @@ class StepCostModel:
     def predict(self, rows: float) -> float:
         fixed, per_row = self.coefficients()
         return fixed + per_row * rows
+
+    @property
+    def has_samples(self) -> bool:
+        return self._w > 0
+
+    def estimate(self, rows: float) -> float | None:
+        """``predict`` once a slope is defined; before that the mean of the
+        samples (one row count seen), or None (no sample)."""
+        if self.ready:
+            return self.predict(rows)
+        return self._y / self._w if self.has_samples else None

@@ -112,8 +112,9 @@ class BudgetController:
     def draft_next(self) -> bool:
         """Whether the coming drafter pass should draft (else: context only)."""
         self._steps += 1
-        if self.full_drafter_cost._w > 0 and (
-            self.context_drafter_cost._w == 0 or self._steps % self.retime_every == 0
+        if self.full_drafter_cost.has_samples and (
+            not self.context_drafter_cost.has_samples
+            or self._steps % self.retime_every == 0
         ):
             # Time a context-only pass now and then: what skipping would save.
             self.num_skipped_steps += 1
@@ -124,17 +125,10 @@ class BudgetController:
             return False
         return True
 
-    def _drafter_seconds(self, model: StepCostModel, num_reqs: int) -> float | None:
-        if model.ready:
-            return model.predict(num_reqs)
-        if model._w > 0:  # one batch size seen: its mean
-            return model._y / model._w
-        return None
-
     def choose(self, tree: DraftTree) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree)."""
         num_nodes = tree.num_nodes
-        full = self._drafter_seconds(self.full_drafter_cost, tree.num_reqs)
+        full = self.full_drafter_cost.estimate(tree.num_reqs)
         if not self.target_cost.ready or full is None:
             return num_nodes  # warming up: the whole budget
         fixed, per_row = self.target_cost.coefficients()
@@ -149,7 +143,7 @@ class BudgetController:
         counts = torch.minimum(counts, num_nodes)
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
-        context = self._drafter_seconds(self.context_drafter_cost, tree.num_reqs)
+        context = self.context_drafter_cost.estimate(tree.num_reqs)
         context = full if context is None else min(context, full)
         plain = tree.num_reqs / (fixed + per_row * tree.num_reqs + context)
         if float(throughput) <= plain * (1 + 1e-6):

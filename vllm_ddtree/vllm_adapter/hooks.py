@@ -116,6 +116,15 @@ def _finalize(
         raise ValueError(
             "ddtree does not support num_speculative_tokens_per_batch_size"
         )
+    tensor = getattr(spec.target_parallel_config, "tensor_parallel_size", 1) or 1
+    if ddtree.budget_mode == "auto" and tensor != 1:
+        # Each worker times its own steps: their trims and drafter skips would
+        # differ, so workers would verify different trees.
+        raise ValueError(
+            f"ddtree_budget='auto' does not support tensor_parallel_size={tensor} "
+            "yet (each worker would choose its own budgets); use "
+            "ddtree_budget='fixed'"
+        )
     pipeline = getattr(spec.target_parallel_config, "pipeline_parallel_size", 1) or 1
     if pipeline != 1:
         # Only the last rank proposes, so the tree structure and the KV commit
