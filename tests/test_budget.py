@@ -139,7 +139,7 @@ def test_controller_keeps_confident_trees_when_rows_are_cheap():
     counts = controller.choose(_trees(sharpness=12.0))
     # The favourite chain (q ~ 1 per depth) at least; rows are nearly free.
     assert (counts >= 4).all(), counts
-    assert controller.draft_next()
+    assert controller.draft_next(2)
     assert controller.chosen_histogram.sum() == 2
 
 
@@ -154,12 +154,14 @@ def test_controller_stops_drafting_then_probes_back():
         counts = controller.choose(_trees(sharpness=0.0))
         assert counts.tolist() == [0, 0]
         skipped = 0
-        while not controller.draft_next():
+        while not controller.draft_next(2):
             skipped += 1
         pattern.append(skipped)
     assert pattern == [1, 2, 4, 8]
+    # Every context-only step's requests count as 0 nodes chosen.
+    assert controller.chosen_histogram[0] == 2 * (4 + sum(pattern))
     # Confident drafts again: drafting pays, and the skip length resets.
     controller = _controller(per_row=1e-5)
     controller.choose(_trees(sharpness=0.0))
     assert controller.choose(_trees(sharpness=12.0)).min() >= 4
-    assert controller.draft_next()
+    assert controller.draft_next(2)

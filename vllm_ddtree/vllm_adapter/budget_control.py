@@ -8,8 +8,8 @@ the target step and in the drafter pass, accepted depths); the controller keeps
   ``fixed + per_row * rows``: a start-up profile (vLLM's dummy forward at a few
   row counts, :meth:`BudgetController.profile`), then every measured step;
 * two drafter cost models, seconds = ``a + b * R``: the full DFlash pass (block
-  queries, draft logits, trees) and the context-only pass (vLLM's K = 0 path:
-  the drafter's context K/V of the new tokens, nothing drafted);
+  queries, draft logits, trees) and the context-only pass (the drafter's
+  context K/V of the new tokens, no drafter forward, nothing drafted);
 * an ``AcceptanceCalibration`` (budget.py) of the draft path
   probabilities, per depth, from what the target accepted.
 
@@ -49,7 +49,8 @@ class BudgetController:
         self.calibration = AcceptanceCalibration(max_depth, device)
         self._skip_left = 0
         self._skip_len = 1
-        # [B + 1] int64: how many requests got 0, 1, ..., B nodes (device).
+        # [B + 1] int64: request-steps that got 0, 1, ..., B nodes (device);
+        # context-only steps count as 0.
         self.chosen_histogram = torch.zeros(
             budget + 1, dtype=torch.int64, device=device
         )
@@ -109,21 +110,21 @@ class BudgetController:
     # Decisions
     # ------------------------------------------------------------------ #
 
-    def draft_next(self) -> bool:
-        """Whether the coming drafter pass should draft (else: context only)."""
+    def draft_next(self, num_reqs: int) -> bool:
+        """Whether the coming drafter pass over ``num_reqs`` requests should
+        draft (else: context only; its requests count as 0 nodes chosen)."""
         self._steps += 1
-        if self.full_drafter_cost.has_samples and (
+        skip = self.full_drafter_cost.has_samples and (
             not self.context_drafter_cost.has_samples
             or self._steps % self.retime_every == 0
-        ):
-            # Time a context-only pass now and then: what skipping would save.
-            self.num_skipped_steps += 1
-            return False
-        if self._skip_left > 0:
+        )  # time a context-only pass now and then: what skipping would save
+        if not skip and self._skip_left > 0:
             self._skip_left -= 1
+            skip = True
+        if skip:
             self.num_skipped_steps += 1
-            return False
-        return True
+            self.chosen_histogram[0] += num_reqs
+        return not skip
 
     def choose(self, tree: DraftTree) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree)."""

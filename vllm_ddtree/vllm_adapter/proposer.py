@@ -34,8 +34,8 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = min(ddtree.draft_len, ddtree.budget)
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
-        # False: the next pass only writes the drafter's context K/V (vLLM's
-        # K = 0 path) and drafts nothing (set by the auto budget).
+        # False: the next pass only writes the drafter's context K/V, with no
+        # drafter forward, and drafts nothing (set by the auto budget).
         self.draft_this_step = True
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
@@ -50,8 +50,7 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = None
         self.last_tree = None
         if not self.draft_this_step:
-            # [R, 0]: the context K/V of this step's tokens is still written.
-            return super().propose(num_speculative_tokens=0, **kwargs)
+            return self._store_context_only(**kwargs)
         super().propose(num_speculative_tokens=self.draft_len, **kwargs)
         logits = self._draft_logits
         assert logits is not None, "the DFlash pass produced no draft logits"
@@ -65,3 +64,43 @@ class DDTreeProposer(DFlashProposer):
         )
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
+
+    def _store_context_only(
+        self,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        **_,
+    ) -> torch.Tensor:
+        """A step without drafts: the drafter's context K/V only, no forward.
+
+        DFlash's context K/V is a projection of the target hidden states of the
+        committed tokens, written at their own slots; the block queries' K/V is
+        scratch (the next step's context overwrites the bonus token's slot). So
+        writing the context keeps every later draft exactly what it would have
+        been, and skips the drafter's forward (vLLM's K = 0 path runs it).
+
+        Returns:
+            [R, 0] int64: no drafts.
+        """
+        self.num_speculative_tokens = 0
+        hidden = self.model.combine_hidden_states(target_hidden_states)
+        # Context positions and slots (rejected rows: none), as a full pass lays
+        # them out; then the K/V projection and cache write of those rows.
+        num_tokens, _, _ = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=hidden,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+        return torch.empty(
+            next_token_ids.shape[0], 0, dtype=torch.int64, device=next_token_ids.device
+        )

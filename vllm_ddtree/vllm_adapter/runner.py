@@ -280,7 +280,7 @@ class DDTreeRunnerMixin:
                 ]
         budget = self._ddtree_budget
         if budget is not None:
-            self.drafter.draft_this_step = budget.draft_next()
+            self.drafter.draft_this_step = budget.draft_next(self.input_batch.num_reqs)
             started = time.perf_counter()
         draft = super().propose_draft_token_ids(
             scheduler_output,
