@@ -208,3 +208,26 @@ def test_controller_stops_drafting_then_probes_back():
     controller.choose(_trees(sharpness=0.0))
     assert controller.choose(_trees(sharpness=12.0)).min() >= 4
     assert controller.draft_next(2)
+
+
+def test_controller_drafts_only_the_depths_its_trees_use():
+    """Trees whose chosen nodes stay at depth 1: the next passes compute draft
+    logits for 1 + margin depths only, and every full_depth_every-th pass for
+    the whole block again."""
+    pytest.importorskip("vllm")
+    from vllm_ddtree.tree import build_ddtree
+
+    controller = _controller(per_row=0.004)
+    logits = torch.zeros(2, 4, 50)
+    logits[:, 0, 7] = 12.0  # only depth 1 is confident
+    tree = build_ddtree(logits, 8, torch.zeros(2, dtype=torch.int64))
+    depths = []
+    for _ in range(2 * controller.full_depth_every):
+        counts = controller.choose(tree)
+        assert counts.tolist() == [1, 1]
+        assert controller.draft_next(2)
+        depths.append(controller.draft_depth)
+    shallow = 1 + controller.depth_margin
+    full = [i for i, d in enumerate(depths) if d == 4]
+    assert set(depths) == {shallow, 4}, depths
+    assert full == [controller.full_depth_every - 1, 2 * controller.full_depth_every - 1]

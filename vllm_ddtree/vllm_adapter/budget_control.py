@@ -57,9 +57,22 @@ class BudgetController:
         self.max_skip = max_skip
         self.tree_step_cost = StepCostModel(max_rows)
         self.plain_step_cost = StepCostModel(max_rows)
-        self.full_drafter_cost = StepCostModel(max_reqs)
+        # The full pass by requests * (depth + 1): the drafter's block forward
+        # plus the LM head over ``depth`` positions per request.
+        self.full_drafter_cost = StepCostModel(max_reqs * (max_depth + 1))
         self.context_drafter_cost = StepCostModel(max_reqs)
         self.calibration = AcceptanceCalibration(max_depth, device)
+        self.max_depth = max_depth
+        # Depths the next drafter pass computes logits for: the deepest node
+        # chosen in the last ``depth_window`` trees + ``depth_margin``, and every
+        # ``full_depth_every``-th pass the whole block (so deeper trees that
+        # start to pay are seen).
+        self.draft_depth = max_depth
+        self.depth_margin = 2
+        self.depth_window = 8
+        self.full_depth_every = 16
+        self._deepest: list[int] = []
+        self._drafted = 0
         self._skip_left = 0
         self._skip_len = 1
         # [B + 1] int64: request-steps that got 0, 1, ..., B nodes (device);
@@ -116,10 +129,17 @@ class BudgetController:
             model = self.tree_step_cost if tree else self.plain_step_cost
             model.update(rows, target_seconds)
 
-    def record_drafter(self, full: bool, num_reqs: int, seconds: float) -> None:
+    def record_drafter(
+        self, full: bool, num_reqs: int, seconds: float, depth: int | None = None
+    ) -> None:
+        """One drafter pass: ``full`` (drafting, logits for ``depth`` positions
+        per request) or context-only."""
         if num_reqs > 0 and seconds > 0:
-            model = self.full_drafter_cost if full else self.context_drafter_cost
-            model.update(num_reqs, seconds)
+            if full:
+                depth = self.max_depth if depth is None else depth
+                self.full_drafter_cost.update(num_reqs * (depth + 1), seconds)
+            else:
+                self.context_drafter_cost.update(num_reqs, seconds)
 
     # ------------------------------------------------------------------ #
     # Decisions
@@ -138,13 +158,20 @@ class BudgetController:
         if skip:
             self.num_skipped_steps += 1
             self.chosen_histogram[0] += num_reqs
-        return not skip
+            return False
+        self._drafted += 1
+        if self._drafted % self.full_depth_every == 0 or not self._deepest:
+            self.draft_depth = self.max_depth
+        else:
+            deepest = max(self._deepest) + self.depth_margin
+            self.draft_depth = max(1, min(self.max_depth, deepest))
+        return True
 
     def choose(self, tree: DraftTree) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree)."""
         num_nodes = tree.num_nodes
         num_reqs = tree.num_reqs
-        full = self.full_drafter_cost.estimate(num_reqs)
+        full = self.full_drafter_cost.estimate(num_reqs * (self.draft_depth + 1))
         if not self.tree_step_cost.ready or full is None:
             return num_nodes  # warming up: the whole budget
         nodes = tree.scores[:, 1:]
@@ -174,4 +201,7 @@ class BudgetController:
         self.chosen_histogram.index_add_(
             0, counts, torch.ones_like(counts, dtype=torch.int64)
         )
+        chosen = torch.arange(nodes.shape[1], device=nodes.device) < counts.unsqueeze(1)
+        deepest = torch.where(chosen, tree.depths[:, 1:], 0).max()
+        self._deepest = [*self._deepest[1 - self.depth_window :], int(deepest)]
         return counts

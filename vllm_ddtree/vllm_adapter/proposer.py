@@ -37,12 +37,33 @@ class DDTreeProposer(DFlashProposer):
         # False: the next pass only writes the drafter's context K/V, with no
         # drafter forward, and drafts nothing (set by the auto budget).
         self.draft_this_step = True
+        # Depths whose draft logits are computed (<= draft_len; the drafter's
+        # block is always whole): the auto budget lowers it while its trees stay
+        # shallow, since the LM head over the full vocabulary is most of a pass.
+        self.draft_depth = self.draft_len
+        # Context K/V of steps without drafts, not yet written: (target hidden
+        # states [n, 3H], positions [n], slots [n]) per step, written in one
+        # batch before the next drafter forward (or when max_deferred_rows).
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._deferred_rows = 0
+        self.max_deferred_rows = 4096
+        # Set by the runner before each pass: whether the step just run verified
+        # any draft (else none of its rows was rejected).
+        self.verified_drafts = True
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        # [R * L, V] full target-vocab logits of the mask positions.
-        logits = self.model.compute_logits(hidden_states)
-        self._draft_logits = logits
-        return logits.argmax(dim=-1), None
+        # hidden_states: [R * L, H], the mask positions, request-major.
+        depth = self.draft_depth
+        if depth < self.draft_len:
+            hidden = hidden_states.view(-1, self.draft_len, hidden_states.shape[-1])
+            hidden_states = hidden[:, :depth].reshape(-1, hidden_states.shape[-1])
+        # [R * depth, V] full target-vocab logits.
+        self._draft_logits = self.model.compute_logits(hidden_states)
+        # The chain the base class expects (unused: the trees are built in propose).
+        num_rows = hidden_states.shape[0] // depth * self.draft_len
+        return torch.zeros(
+            num_rows, dtype=torch.int64, device=hidden_states.device
+        ), None
 
     def propose(self, num_speculative_tokens: int, **kwargs) -> torch.Tensor:
         """Returns [R, B] draft node tokens (tree rows 1..B; padding rows are 0)."""
@@ -51,12 +72,13 @@ class DDTreeProposer(DFlashProposer):
         self.last_tree = None
         if not self.draft_this_step:
             return self._store_context_only(**kwargs)
+        self.flush_context()
         super().propose(num_speculative_tokens=self.draft_len, **kwargs)
         logits = self._draft_logits
         assert logits is not None, "the DFlash pass produced no draft logits"
         num_reqs = next_token_ids.shape[0]
         self.last_tree = build_ddtree(
-            logits.view(num_reqs, self.draft_len, -1),
+            logits.view(num_reqs, self.draft_depth, -1),
             self.ddtree.budget,
             root_token_ids=next_token_ids,
             max_children=self.ddtree.max_children,
@@ -84,10 +106,39 @@ class DDTreeProposer(DFlashProposer):
         writing the context keeps every later draft exactly what it would have
         been, and skips the drafter's forward (vLLM's K = 0 path runs it).
 
+        After a step that verified no draft (no rejected rows: its rows are the
+        committed tokens, at the slots of the drafter's KV group)
+        the write is deferred and batched with the next ones: writes are
+        replayed in order before the next drafter forward, so the cache reads
+        the same as if each had been made at once (a slot freed and reused in
+        between is written in the same order), at one projection per batch
+        instead of one per step.
+
         Returns:
             [R, 0] int64: no drafts.
         """
         self.num_speculative_tokens = 0
+        num_reqs = next_token_ids.shape[0]
+        empty = torch.empty(
+            num_reqs, 0, dtype=torch.int64, device=next_token_ids.device
+        )
+        if not self.verified_drafts and target_positions.dim() == 1:
+            num_tokens = target_hidden_states.shape[0]
+            # Copies: the runner reuses its hidden-state and slot buffers.
+            self._deferred.append(
+                (
+                    target_hidden_states.clone(),
+                    target_positions[:num_tokens].clone(),
+                    common_attn_metadata.slot_mapping[:num_tokens].to(
+                        torch.int64, copy=True
+                    ),
+                )
+            )
+            self._deferred_rows += num_tokens
+            if self._deferred_rows >= self.max_deferred_rows:
+                self.flush_context()
+            return empty
+        self.flush_context()
         hidden = self.model.combine_hidden_states(target_hidden_states)
         # Context positions and slots (rejected rows: none), as a full pass lays
         # them out; then the K/V projection and cache write of those rows.
@@ -101,6 +152,17 @@ class DDTreeProposer(DFlashProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
         self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
-        return torch.empty(
-            next_token_ids.shape[0], 0, dtype=torch.int64, device=next_token_ids.device
+        return empty
+
+    def flush_context(self) -> None:
+        """Writes the deferred context K/V (oldest first, one batch)."""
+        if not self._deferred:
+            return
+        hidden, positions, slots = (
+            torch.cat(x) for x in zip(*self._deferred, strict=True)
+        )
+        self._deferred.clear()
+        self._deferred_rows = 0
+        self.model.precompute_and_store_context_kv(
+            self.model.combine_hidden_states(hidden), positions, slots
         )

@@ -286,6 +286,9 @@ class DDTreeRunnerMixin:
         budget = self._ddtree_budget
         if budget is not None:
             self.drafter.draft_this_step = budget.draft_next(self.input_batch.num_reqs)
+            self.drafter.draft_depth = budget.draft_depth
+            step = self._ddtree_step
+            self.drafter.verified_drafts = step is not None and any(step.num_drafts)
             started = time.perf_counter()
         draft = super().propose_draft_token_ids(
             scheduler_output,
@@ -314,7 +317,10 @@ class DDTreeRunnerMixin:
             seconds = time.perf_counter() - started
             self._ddtree_drafter_seconds = seconds
             budget.record_drafter(
-                self.drafter.draft_this_step, self.input_batch.num_reqs, seconds
+                self.drafter.draft_this_step,
+                self.input_batch.num_reqs,
+                seconds,
+                self.drafter.draft_depth,
             )
         self._ddtree_step = None
         self._ddtree_plan = None
