@@ -33,14 +33,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import bench_real  # noqa: F401  (sets the environment and sys.path first)
-from bench_real import (
+# Every method's engine stays alive for the whole run (interleaved measurements):
+# 1 GiB of KV cache each.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import bench_real  # noqa: E402,F401  (sets the environment and sys.path first)
+from bench_real import (  # noqa: E402
     DEFAULT_DRAFTER,
     REPO_ROOT,
     SECTIONS,
@@ -48,9 +53,8 @@ from bench_real import (
     acceptance,
     counter_delta,
     load_prompt_sets,
-    spec_counters,
 )
-from bench_core import machine_info
+from bench_core import machine_info  # noqa: E402
 
 AUTO = "ddtree-auto"
 
@@ -70,10 +74,6 @@ def pooled(prompt_sets: dict[str, list[list[int]]]) -> list[list[int]]:
     """Round-robin over datasets, so every batch mixes them."""
     sets = list(prompt_sets.values())
     return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
-
-
-def draft_tokens(llm) -> int:
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
 
 
 class CostTrace:
@@ -112,74 +112,123 @@ def controller_state(controller) -> dict:
             "calibration_factors": [round(f, 4) for f in controller.calibration.factors().tolist()]}
 
 
-def run_method(name, spec, args, target, prompts, configs, timers, trace) -> dict:
-    import gc
+class SpecCounter:
+    """vLLM's spec-decode counts of one engine, read where the scheduler makes
+    them (its Prometheus metrics live in one registry that the last engine
+    created takes over, so they cannot tell engines apart)."""
 
-    import vllm
+    def __init__(self, scheduler, max_pos: int) -> None:
+        self.counts = {"drafts": 0, "accepted": 0, "draft_tokens": 0,
+                       "per_pos": [0] * max_pos}
+        make = scheduler.make_spec_decoding_stats
 
-    budget = (spec or {}).get("num_speculative_tokens", 0)
-    trace.phase = "profile"
-    llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
-                   max_model_len=args.max_prompt_tokens + args.max_tokens + budget + 32,
-                   max_num_seqs=max(b for _, b in configs), enable_prefix_caching=False,
-                   disable_log_stats=False, speculative_config=spec)
-    trace.phase = "online"
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    timers.attach(runner)
-    controller = getattr(runner, "_ddtree_budget", None)
-    profile_fit = curve(controller.tree_step_cost) if controller else None
-    runs = []
-    for temperature, batch in configs:
-        if name == "dflash" and temperature > 0:
-            continue
+        def counted(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                    num_invalid_spec_tokens, request_id):
+            invalid = num_invalid_spec_tokens
+            if num_draft_tokens:
+                n = num_draft_tokens - (invalid or {}).get(request_id, 0)
+                self.counts["drafts"] += 1
+                self.counts["draft_tokens"] += n
+                self.counts["accepted"] += num_accepted_tokens
+                for k in range(min(num_accepted_tokens, max_pos)):
+                    self.counts["per_pos"][k] += 1
+            return make(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                        num_invalid_spec_tokens, request_id)
+
+        scheduler.make_spec_decoding_stats = counted
+
+    def snapshot(self) -> dict:
+        return {k: list(v) if isinstance(v, list) else v for k, v in self.counts.items()}
+
+
+class Engine:
+    """One method's engine, alive for the whole benchmark; runs one chunk of
+    prompts at a time and sums what each configuration measured."""
+
+    def __init__(self, name, spec, args, target, max_batch, timers, trace):
+        import vllm
+
+        self.name = name
+        budget = (spec or {}).get("num_speculative_tokens", 0)
+        trace.phase = "profile"
+        self.llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
+                            max_model_len=args.max_prompt_tokens + args.max_tokens + budget + 32,
+                            max_num_seqs=max_batch, enable_prefix_caching=False,
+                            disable_log_stats=False, speculative_config=spec)
+        trace.phase = "online"
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        timers.attach(self.runner)
+        self.controller = getattr(self.runner, "_ddtree_budget", None)
+        self.profile_fit = curve(self.controller.tree_step_cost) if self.controller else None
+        self.spec = SpecCounter(core.scheduler, max(budget, 1))
+
+    def start(self) -> None:
+        """A new configuration: zero the sums."""
+        self.wall = 0.0
+        self.outputs: list[list[int]] = []
+        self.totals: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.before = self.spec.snapshot()
+        if self.controller is not None:
+            self.hist_before = self.controller.chosen_histogram.clone()
+            self.skipped_before = self.controller.num_skipped_steps
+
+    def run_chunk(self, temperature, chunk, args, timers) -> None:
+        import vllm
+
         params = vllm.SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                     ignore_eos=True, seed=None)
+                                     ignore_eos=True)
         timers.reset()
-        before, drafted_before = spec_counters(llm), draft_tokens(llm)
-        if controller is not None:
-            hist_before = controller.chosen_histogram.clone()
-            skipped_before = controller.num_skipped_steps
         t0 = time.perf_counter()
-        outputs = []
-        for start in range(0, len(prompts), batch):
-            chunk = [{"prompt_token_ids": p} for p in prompts[start:start + batch]]
-            outputs += [list(o.outputs[0].token_ids)
-                        for o in llm.generate(chunk, params, use_tqdm=False)]
-        wall = time.perf_counter() - t0
-        delta = counter_delta(spec_counters(llm), before)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in chunk], params,
+                                 use_tqdm=False)
+        self.wall += time.perf_counter() - t0
+        self.outputs += [list(o.outputs[0].token_ids) for o in outs]
+        for k, v in timers.totals.items():
+            self.totals[k] += v
+        for k, v in timers.calls.items():
+            self.calls[k] += v
+
+    def finish(self, temperature, batch, timers) -> dict:
+        after = self.spec.snapshot()
+        delta = counter_delta(after, self.before)
         tau, hist = acceptance(delta)
-        n_out = sum(len(o) for o in outputs)
-        split = timers.split()
-        run = {"method": name, "temperature": temperature, "batch": batch,
-               "wall_s": round(wall, 3), "output_tokens": n_out,
-               "tokens_per_s": round(n_out / wall, 3), "tau": tau, "hist": hist,
+        drafted = after["draft_tokens"] - self.before["draft_tokens"]
+        timers.totals, timers.calls = self.totals, self.calls  # split() reads these
+        n_out = sum(len(o) for o in self.outputs)
+        run = {"method": self.name, "temperature": temperature, "batch": batch,
+               "wall_s": round(self.wall, 3), "output_tokens": n_out,
+               "tokens_per_s": round(n_out / self.wall, 3), "tau": tau, "hist": hist,
                "verify_request_steps": delta["drafts"],
-               "mean_nodes_per_verified_request": (
-                   (draft_tokens(llm) - drafted_before) / delta["drafts"]
-                   if delta["drafts"] else 0.0),
-               "steps": timers.calls["step"] // 2, "split_s": split,
-               "policy_s": round(timers.totals["policy"], 4), "outputs": outputs}
+               "mean_nodes_per_verified_request": (drafted / delta["drafts"]
+                                                   if delta["drafts"] else 0.0),
+               "steps": self.calls["step"] // 2, "split_s": timers.split(),
+               "policy_s": round(self.totals["policy"], 4), "outputs": self.outputs}
+        controller = self.controller
         if controller is not None:
-            h = (controller.chosen_histogram - hist_before).tolist()
+            h = (controller.chosen_histogram - self.hist_before).tolist()
             run["chosen_histogram"] = h
             run["mean_nodes_chosen"] = sum(k * c for k, c in enumerate(h)) / max(sum(h), 1)
-            run["skipped_drafter_steps"] = controller.num_skipped_steps - skipped_before
-            run["policy_share"] = round(timers.totals["policy"] / max(timers.totals["step"], 1e-9), 5)
-        runs.append(run)
-        print(f"{name:12s} T={temperature} bs={batch:3d} {n_out / wall:8.2f} tok/s "
+            run["skipped_drafter_steps"] = controller.num_skipped_steps - self.skipped_before
+            run["policy_share"] = round(self.totals["policy"] / max(self.totals["step"], 1e-9),
+                                        5)
+        timers.totals, timers.calls = defaultdict(float), defaultdict(int)
+        print(f"{self.name:12s} T={temperature} bs={batch:3d} {run['tokens_per_s']:8.2f} tok/s "
               f"tau={tau if tau is None else round(tau, 3)} "
               f"nodes={run['mean_nodes_per_verified_request']:.2f}"
               + (f" chosen={run['mean_nodes_chosen']:.2f} skipped={run['skipped_drafter_steps']}"
                  if controller is not None else ""), flush=True)
-    out = {"runs": runs}
-    if controller is not None:
-        out["controller"] = controller_state(controller)
-        out["controller"]["profile_fit_s"] = profile_fit
-        out["cost_samples"] = {"tree": trace.of(controller.tree_step_cost),
-                               "plain": trace.of(controller.plain_step_cost)}
-    del llm, runner, controller
-    gc.collect()
-    return out
+        return run
+
+    def summary(self, trace) -> dict:
+        if self.controller is None:
+            return {}
+        state = controller_state(self.controller)
+        state["profile_fit_s"] = self.profile_fit
+        return {"controller": state,
+                "cost_samples": {"tree": trace.of(self.controller.tree_step_cost),
+                                 "plain": trace.of(self.controller.plain_step_cost)}}
 
 
 def evaluate_goals(runs: list[dict]) -> list[dict]:
@@ -397,20 +446,38 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     partial_path = args.out / f"{args.tag}.partial.json"
     key = {"prompts": prompts, "configs": configs, "max_tokens": args.max_tokens,
-           "target": str(args.target), "drafter": args.drafter, "dtype": args.dtype}
-    done = {}
+           "methods": list(specs), "target": str(args.target), "drafter": args.drafter,
+           "dtype": args.dtype}
+    done: dict[str, dict] = {}  # "method|T|batch" -> run
     if partial_path.exists() and not args.fresh:
         saved = json.loads(partial_path.read_text())
         if saved.get("key") == json.loads(json.dumps(key)):
-            done = saved["methods"]
-            print(f"resuming: {sorted(done)} done", flush=True)
-    for name, spec in specs.items():
-        if name not in done:
-            done[name] = run_method(name, spec, args, args.target, prompts, configs, timers,
-                                    trace)
-            partial_path.write_text(json.dumps({"key": key, "methods": done}))
-    runs = [r for name in specs for r in done[name]["runs"]]
-    extra = done.get(AUTO, {})
+            done = saved["runs"]
+            print(f"resuming: {len(done)} runs done", flush=True)
+    # Every engine alive at once; each configuration runs every method back to
+    # back (the order rotated per configuration), so slow drifts of the machine's
+    # speed hit all methods alike.
+    engines = {name: Engine(name, spec, args, args.target, max(b for _, b in configs),
+                            timers, trace) for name, spec in specs.items()}
+    for temperature, batch in configs:
+        names = [n for n in engines if f"{n}|{temperature}|{batch}" not in done
+                 and not (n == "dflash" and temperature > 0)]
+        for name in names:
+            engines[name].start()
+        # Chunk by chunk, every method back to back (order rotated per chunk):
+        # the machine's speed drifts over minutes, and every method sees it alike.
+        chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+        for c, chunk in enumerate(chunks):
+            k = c % max(len(names), 1)
+            for name in names[k:] + names[:k]:
+                engines[name].run_chunk(temperature, chunk, args, timers)
+        for name in names:
+            done[f"{name}|{temperature}|{batch}"] = engines[name].finish(
+                temperature, batch, timers)
+        partial_path.write_text(json.dumps({"key": key, "runs": done}))
+    runs = [done[f"{name}|{t}|{b}"] for t, b in configs for name in specs
+            if f"{name}|{t}|{b}" in done]
+    extra = engines[AUTO].summary(trace) if AUTO in engines else {}
     goals = evaluate_goals(runs)
     info = machine_info(args, command)
     info["setup"] = (
@@ -418,7 +485,8 @@ def main(argv=None) -> dict:
         f"{len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in prompt_sets.items())}),"
         f" interleaved, sent `batch` at a time; {args.max_tokens} new tokens each (ignore_eos);"
         f" fixed budgets {args.budgets}, auto up to {max(args.budgets)}; DFlash chain K = "
-        f"{args.chain_k} (T = 0 only). One engine per method, all configurations in it.")
+        f"{args.chain_k} (T = 0 only). One engine per method, all alive for the whole run; "
+        f"every chunk of `batch` prompts runs on every method back to back (order rotated).")
     blob = {"info": info, "args": {k: str(v) if isinstance(v, Path) else v
                                    for k, v in vars(args).items()},
             "goals": goals,

@@ -161,6 +161,10 @@ class DDTreeRunnerMixin:
         query_start = self.query_start_loc.cpu[: num_reqs + 1].tolist()
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = [len(scheduled.get(r, ())) for r in req_ids]
+        if not any(num_drafts):
+            # vLLM builds spec-decode metadata for every step; with no draft at
+            # all this is a plain decode step (one row per request, no tree).
+            return out
         starts = [query_start[b + 1] - n - 1 for b, n in enumerate(num_drafts)]
         input_ids = self.input_ids.gpu[:total]
         roots = input_ids[torch.tensor(starts, device=input_ids.device)].tolist()
@@ -224,7 +228,8 @@ class DDTreeRunnerMixin:
             # (min_p, logit_bias) or is seeded (our coins keep a seeded request's
             # output independent of its batch and of the step kind).
             if not extras.needs_own_sampler:
-                return super()._sample(logits, spec_decode_metadata)
+                # One logits row per request (no drafts): vLLM's plain sampler.
+                return super()._sample(logits, None)
             device = logits.device
             tree = _root_only_tree(num_reqs, device)
             rows = torch.arange(num_reqs, device=device).unsqueeze(1)
