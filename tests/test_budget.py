@@ -231,3 +231,17 @@ def test_controller_drafts_only_the_depths_its_trees_use():
     full = [i for i, d in enumerate(depths) if d == 4]
     assert set(depths) == {shallow, 4}, depths
     assert full == [controller.full_depth_every - 1, 2 * controller.full_depth_every - 1]
+
+
+def test_controller_verifies_a_drafted_tree_when_it_stops_drafting():
+    """A drafter pass far dearer than what drafting gains: the controller stops
+    drafting, but a tree already drafted is still verified where it beats one
+    plain step (its pass is paid); a tree of unsure drafts is not."""
+    pytest.importorskip("vllm")
+    controller = _controller(per_row=1e-3, full=0.5, context=0.002)
+    counts = controller.choose(_trees(sharpness=12.0))
+    assert (counts >= 4).all(), counts
+    assert not controller.draft_next(2)
+    controller = _controller(per_row=1e-3, full=0.5, context=0.002)
+    assert controller.choose(_trees(sharpness=0.0)).tolist() == [0, 0]
+    assert not controller.draft_next(2)

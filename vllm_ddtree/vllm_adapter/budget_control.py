@@ -184,26 +184,37 @@ class BudgetController:
         )
         probs = torch.where(real, nodes.exp(), 0.0)
         values = self.calibration.node_values(probs, tree.depths[:, 1:])
-        # [R * B + 1] the step with k nodes; the next step's drafter pass is paid
-        # whatever the tree.
-        rows = num_reqs + np.arange(values.numel() + 1)
-        seconds = self.tree_step_cost.predict(rows) + full
-        counts, throughput = allocate_nodes(values, torch.from_numpy(seconds))
-        counts = torch.minimum(counts, num_nodes)
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
         context = self.context_drafter_cost.estimate(num_reqs)
         context = full if context is None else min(context, full)
+        # [R * B + 1] the verify step with k nodes in all, plus the drafter pass
+        # after it: full (drafting on) or context-only (skipping).
+        verify = self.tree_step_cost.predict(num_reqs + np.arange(values.numel() + 1))
+        counts, drafting = allocate_nodes(values, torch.from_numpy(verify + full))
+        skip_counts, skipping = allocate_nodes(
+            values, torch.from_numpy(verify + context)
+        )
         plain = num_reqs / (self.plain_step_cost.predict(num_reqs) + context)
-        if float(throughput) <= plain * (1 + self.min_gain):
-            # Drafting does not pay at this load: context-only passes, then a probe.
-            self._skip_left = self._skip_len
-            self._skip_len = min(2 * self._skip_len, self.max_skip)
-        else:
-            # It pays: draft on. The next skip run starts at half the last one,
-            # so a load where drafting pays now and then is probed sparsely.
+        # One host read for the decision (the trees go to the host next anyway).
+        drafting, skipping = (float(x) for x in torch.stack([drafting, skipping]))
+        # Steady state: drafting every step vs decoding without drafts.
+        if drafting > plain * (1 + self.min_gain):
+            # Drafting pays: draft on. The next skip run starts at half the last
+            # one, so a load where drafting pays now and then is probed sparsely.
             self._skip_left = 0
             self._skip_len = max(1, self._skip_len // 2)
+        else:
+            # It does not pay at this load: context-only passes, then a probe.
+            self._skip_left = self._skip_len
+            self._skip_len = min(2 * self._skip_len, self.max_skip)
+            # This tree is drafted already (its pass is paid): verify the prefix
+            # that beats one plain step, or nothing.
+            if skipping > plain * (1 + self.min_gain):
+                counts = skip_counts
+            else:
+                counts = torch.zeros_like(skip_counts)
+        counts = torch.minimum(counts, num_nodes)
         self.chosen_histogram.index_add_(
             0, counts, torch.ones_like(counts, dtype=torch.int64)
         )
