@@ -14,7 +14,9 @@ Tiny models (vllm_ddtree.tiny_models), engine in-process, at most one LLM alive.
     non-speculative sampling (two-sample TV bound below);
   - min_p, min_tokens (EOS is likely after EOS_PARTNER), logit_bias,
     allowed_token_ids, logprobs and prompt_logprobs match non-speculative vLLM;
-  - seeded requests reproduce exactly across engines, batches, budgets, chunking;
+  - seeded requests reproduce exactly across engines, batches, budgets (fixed
+    and auto), chunking;
+  - the same joint law under the auto budget;
   - each refused parameter is a ValueError naming it, and the engine carries on.
 * the two-way pair with random o_proj / down_proj: the target's law depends on
   the whole context through attention, so tree masks, positions, the KV commit
@@ -208,12 +210,24 @@ def reference(models):
     del llm, runner
     gc.collect()
     # Second ddtree engine: smaller token budget (the long prompt is prefilled in
-    # chunks), another node budget (other trees), seeded requests among others.
-    llm = make_llm(target, ddtree(drafter, budget=3), max_num_batched_tokens=256)
+    # chunks), another node budget and the auto budget (other trees, chosen per
+    # step from timings), seeded requests among others.
+    llm = make_llm(target, ddtree(drafter, budget=3, ddtree_budget="auto"),
+                   max_num_batched_tokens=256)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    # Tiny models: drafting rarely pays on timings alone, and the tests need
+    # trees. Drafting is kept on; each tree is still trimmed to its best prefix.
+    runner._ddtree_budget.min_gain = -1.0
     prompts, params = seeded_workload()
     fp, fparams = unseeded_filler(5, seed=9)
     outs = run(llm, fp + prompts, fparams + params)
     ref["seeded_small"] = outs[len(fp):]
+    before = spec_counts(llm)
+    ref["dist_auto"] = run(llm, [DIST_PROMPT] * N_DIST, SP(**DIST_PARAMS))
+    after = spec_counts(llm)
+    ref["dist_auto_accepted"] = after["accepted"] - before["accepted"]
+    ref["dist_auto_chosen"] = runner._ddtree_budget.chosen_histogram.tolist()
+    del runner
     del llm  # before the next LLM: its teardown resets vLLM's global state
     gc.collect()
     return ref
@@ -306,6 +320,23 @@ def test_distribution_matches_non_speculative(models, reference, engine):
             assert tv <= bound, (seeded, name, tv, bound)
 
 
+def test_distribution_under_the_auto_budget(reference):
+    """The joint law of the first two tokens (T = 1, top_k = 3, top_p = 0.9)
+    under ``ddtree_budget="auto"`` (budget 3, trees trimmed or skipped per step
+    from this machine's timings) vs N_DIST plain vLLM requests."""
+    outs, ref = reference["dist_auto"], reference["dist"]
+    accepted = reference["dist_auto_accepted"]
+    assert accepted > 0.1 * N_DIST, accepted  # the auto budget drafts here
+    chosen = reference["dist_auto_chosen"]  # request-steps with 0, 1, 2, 3 nodes
+    assert chosen[3] > 0 and sum(chosen[:3]) > 0.1 * sum(chosen), chosen  # trimmed
+    bound = tv_bound(9, N_DIST, N_DIST)
+    tv, cells = joint_tv(outs, ref, slice(0, 2))
+    print(f"auto: n={N_DIST} cells={cells} TV={tv:.4f} bound={bound:.4f} "
+          f"accepted drafts={accepted}")
+    assert cells <= 9
+    assert tv <= bound, (tv, bound)
+
+
 def test_distribution_with_attention_and_a_penalty(reference):
     """T = 1, top_k = 2, repetition_penalty = 1.3, on a target whose law depends
     on the context through attention (o_proj, down_proj != 0): the joint law of
@@ -394,8 +425,8 @@ def test_constrained_greedy_matches_non_speculative(reference, engine, name):
 
 def test_seeded_requests_reproduce(reference, engine):
     """The same seeded requests: alone, shuffled among unseeded ones, and in another
-    engine (node budget 3 instead of 8, token budget 256 so the long prompt is
-    prefilled in chunks): identical tokens."""
+    engine (the auto budget up to 3 nodes instead of 8 fixed, token budget 256 so
+    the long prompt is prefilled in chunks): identical tokens."""
     prompts, params = seeded_workload()
     alone = run(engine, prompts, params)
     assert any(len(set(o)) > 2 for o in alone)  # genuinely random output
