@@ -123,6 +123,16 @@ def test_auto_budget_with_tensor_parallelism_is_refused_at_start_up(pair):
                  speculative_config={**ddtree(drafter), "ddtree_budget": "auto"})
 
 
+def test_dynamic_sd_table_is_refused_at_start_up(pair):
+    """vLLM's num_speculative_tokens_per_batch_size with ddtree: a clear error
+    naming the key and what to use instead."""
+    target, drafter = pair
+    spec = {**ddtree(drafter), "num_speculative_tokens_per_batch_size": [(1, 4, 2)]}
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size.*auto"):
+        vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                 speculative_config=spec)
+
+
 def test_quantized_kv_cache_is_refused_at_start_up(pair):
     target, drafter = pair
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):

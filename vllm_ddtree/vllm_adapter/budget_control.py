@@ -9,21 +9,25 @@ the target step and in the drafter pass, accepted depths); the controller keeps
   steps (no drafts: the stock attention only, no tree verification), both
   started from a start-up profile (vLLM's dummy forward at 1, 2, 4, ... rows,
   :meth:`BudgetController.profile`) and refined from every measured step;
-* two drafter cost models, seconds as a function of the requests: the full
-  DFlash pass (block queries, draft logits, trees) and the context-only pass
-  (the drafter's context K/V of the new tokens, no drafter forward, nothing
-  drafted);
+* two drafter cost models: the full DFlash pass (block queries, draft logits
+  for ``draft_depth`` positions, trees), by requests * (depth + 1), and the
+  context-only pass (the drafter's context K/V of the new tokens, no drafter
+  forward, nothing drafted), by requests;
 * an ``AcceptanceCalibration`` (budget.py) of the draft path
   probabilities, per depth, from what the target accepted.
 
 When the drafter has built the batch's trees, :meth:`choose` trims each
 request's tree to the prefix that maximises the batch's expected committed
-tokens per second (``allocate_nodes``). If even the
-best tree does not beat decoding without drafts (a context-only drafter pass and
-R rows), the drafter runs context-only for the next steps (the drafter's context
-stays complete: every committed token's target hidden states still reach its
-K/V) and is tried again after 1, 2, 4, ... skipped steps (at most
-``max_skip``), so the controller notices when drafting pays again.
+tokens per second with drafting on (``allocate_nodes``: verify step + the next
+full drafter pass). Unless that beats decoding without drafts (plain step +
+context-only pass) by ``min_gain``, the drafter stops: the next passes are
+context-only (every committed token's target hidden states still reach the
+drafter's K/V, so later drafts are what they would have been) and drafting is
+tried again after 1, 2, 4, ... skipped steps (at most ``max_skip``); the tree
+already drafted is verified only as far as it beats one plain step. While the
+chosen trees stay shallow the drafter computes logits for the depths in use
+only (the LM head over the vocabulary is most of a pass), and for the whole
+block every ``full_depth_every``-th pass.
 
 Lossless: budgets depend on the draft scores and on timings only, never on the
 target's samples of the step being verified; a trimmed tree is a prefix of the
@@ -110,13 +114,20 @@ class BudgetController:
                 spent[0] += time.perf_counter() - started
 
         drafter.dummy_run = timed_dummy_run
+        sync = (
+            torch.cuda.synchronize
+            if torch.device(runner.device).type == "cuda"
+            else (lambda: None)
+        )
         try:
             rows = 1
             while True:
                 for repeat in range(repeats):
                     spent[0] = 0.0
+                    sync()
                     started = time.perf_counter()
                     runner._dummy_run(rows)
+                    sync()  # device work is asynchronous: time it all
                     seconds = time.perf_counter() - started - spent[0]
                     if repeat:
                         self.tree_step_cost.update(rows, seconds)
@@ -196,8 +207,18 @@ class BudgetController:
             values, torch.from_numpy(verify + context)
         )
         plain = num_reqs / (self.plain_step_cost.predict(num_reqs) + context)
-        # One host read for the decision (the trees go to the host next anyway).
-        drafting, skipping = (float(x) for x in torch.stack([drafting, skipping]))
+        node_depths = tree.depths[:, 1:]
+        first = torch.arange(nodes.shape[1], device=nodes.device)
+
+        def deepest(n):  # the deepest node among each request's first n[r]
+            return torch.where(first < n.unsqueeze(1), node_depths, 0).max()
+
+        # One host read for the whole decision (the trees go to the host next
+        # anyway, for the scheduler).
+        drafting, skipping, deepest_drafting, deepest_skipping = torch.stack(
+            [drafting, skipping, deepest(counts).float(), deepest(skip_counts).float()]
+        ).tolist()
+        deepest_chosen = int(deepest_drafting)
         # Steady state: drafting every step vs decoding without drafts.
         if drafting > plain * (1 + self.min_gain):
             # Drafting pays: draft on. The next skip run starts at half the last
@@ -211,14 +232,12 @@ class BudgetController:
             # This tree is drafted already (its pass is paid): verify the prefix
             # that beats one plain step, or nothing.
             if skipping > plain * (1 + self.min_gain):
-                counts = skip_counts
+                counts, deepest_chosen = skip_counts, int(deepest_skipping)
             else:
-                counts = torch.zeros_like(skip_counts)
+                counts, deepest_chosen = torch.zeros_like(skip_counts), 0
         counts = torch.minimum(counts, num_nodes)
         self.chosen_histogram.index_add_(
             0, counts, torch.ones_like(counts, dtype=torch.int64)
         )
-        chosen = torch.arange(nodes.shape[1], device=nodes.device) < counts.unsqueeze(1)
-        deepest = torch.where(chosen, tree.depths[:, 1:], 0).max()
-        self._deepest = [*self._deepest[1 - self.depth_window :], int(deepest)]
+        self._deepest = [*self._deepest[1 - self.depth_window :], deepest_chosen]
         return counts

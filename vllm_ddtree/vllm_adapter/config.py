@@ -51,9 +51,10 @@ class DDTreeConfig:
     budget_mode: str = "fixed"
     """``"fixed"``: every tree has B nodes (``num_speculative_tokens``).
     ``"auto"``: B is the largest budget; each step keeps, per request, the tree
-    prefix that maximises the batch's expected tokens per second under a step-cost
-    model fitted online, and drafts nothing (context-only drafter passes) while
-    drafting does not pay (:mod:`vllm_ddtree.vllm_adapter.budget_control`)."""
+    prefix that maximises the batch's expected tokens per second under step-cost
+    models fitted online, and skips the drafter forward (its context K/V is still
+    written) while drafting does not pay
+    (:mod:`vllm_ddtree.vllm_adapter.budget_control`)."""
 
 
 # User-facing key -> DDTreeConfig field.

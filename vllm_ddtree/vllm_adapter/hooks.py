@@ -114,7 +114,10 @@ def _finalize(
         )
     if getattr(spec, "num_speculative_tokens_per_batch_size", None):
         raise ValueError(
-            "ddtree does not support num_speculative_tokens_per_batch_size"
+            "ddtree does not support num_speculative_tokens_per_batch_size "
+            "(vLLM's Dynamic SD table of draft lengths per batch size): use "
+            "ddtree_budget='auto', which sizes each request's tree every step "
+            "from measured step costs, with num_speculative_tokens as the bound"
         )
     tensor = getattr(spec.target_parallel_config, "tensor_parallel_size", 1) or 1
     if ddtree.budget_mode == "auto" and tensor != 1:
