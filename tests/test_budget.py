@@ -245,3 +245,25 @@ def test_controller_verifies_a_drafted_tree_when_it_stops_drafting():
     controller = _controller(per_row=1e-3, full=0.5, context=0.002)
     assert controller.choose(_trees(sharpness=0.0)).tolist() == [0, 0]
     assert not controller.draft_next(2)
+
+
+def test_tree_steps_never_cost_less_than_plain_steps():
+    """Tree-step samples only at the start-up profile's low cost, plain steps
+    measured dearer: a tree is costed at least as a plain step of as many rows,
+    so unsure drafts (nothing worth verifying) stop the drafter as they do when
+    both models agree."""
+    pytest.importorskip("vllm")
+    from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+
+    def drafts_on(tree_fixed):
+        c = BudgetController(max_depth=4, budget=8, device="cpu", max_rows=256, max_reqs=8)
+        for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+            c.record_step(rows, tree_fixed + 0.004 * rows, tree=True)
+            c.record_step(rows, 0.060 + 0.004 * rows, tree=False)
+        for num_reqs in (1, 2, 4):
+            c.record_drafter(True, num_reqs, 0.001 * num_reqs)
+            c.record_drafter(False, num_reqs, 0.0005 * num_reqs)
+        assert c.choose(_trees(sharpness=0.0)).tolist() == [0, 0]
+        return c.draft_next(2)
+
+    assert drafts_on(0.010) == drafts_on(0.060) is False

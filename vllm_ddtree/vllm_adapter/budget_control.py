@@ -201,7 +201,13 @@ class BudgetController:
         context = full if context is None else min(context, full)
         # [R * B + 1] the verify step with k nodes in all, plus the drafter pass
         # after it: full (drafting on) or context-only (skipping).
-        verify = self.tree_step_cost.predict(num_reqs + np.arange(values.numel() + 1))
+        # A tree step never costs less than a plain step of as many rows (the
+        # tree model's small sizes may rest on the start-up profile alone, whose
+        # dummy forwards skip the step's fixed work).
+        rows = num_reqs + np.arange(values.numel() + 1)
+        verify = np.maximum(
+            self.tree_step_cost.predict(rows), self.plain_step_cost.predict(rows)
+        )
         counts, drafting = allocate_nodes(values, torch.from_numpy(verify + full))
         skip_counts, skipping = allocate_nodes(
             values, torch.from_numpy(verify + context)
