@@ -51,6 +51,7 @@ from bench_real import (  # noqa: E402
     SECTIONS,
     StepTimers,
     acceptance,
+    add_workload_args,
     counter_delta,
     load_prompt_sets,
 )
@@ -346,16 +347,8 @@ def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
                 if m == "nospec" else dict(lw=1, alpha=0.8)
             ax.plot(*zip(*pts), marker="o", label=m, **style)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(f"T = {temp}")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    name = f"{tag}_tokps.png"
-    fig.savefig(out / name, dpi=120)
-    plt.close(fig)
-    files.append(name)
+        _label(ax, "batch size", "output tokens/s", f"T = {temp}")
+    files.append(_save(plt, fig, out, f"{tag}_tokps.png"))
     samples = extra.get("cost_samples")
     c = extra.get("controller")
     if samples and c and c.get("tree_step_cost_s"):
@@ -381,38 +374,37 @@ def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
                 ax.plot(*zip(*pts), ls=ls, color="k", marker=".", label=f"model: {label}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("target rows in the step")
-        ax.set_ylabel("target step time (ms, drafter pass excluded)")
-        ax.set_title("auto budget: step-cost model (piecewise linear in rows)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        name = f"{tag}_costfit.png"
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        files.append(name)
+        _label(ax, "target rows in the step", "target step time (ms, drafter pass excluded)",
+               "auto budget: step-cost model (piecewise linear in rows)")
+        files.append(_save(plt, fig, out, f"{tag}_costfit.png"))
     return files
+
+
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    return name
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="HF dir (default: SmolLM2-135M, converted)")
-    ap.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
-    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k",
-                                                      "sharegpt"])
-    ap.add_argument("--prompts-per-dataset", type=int, default=8)
-    ap.add_argument("--synthetic-prompts", type=int, default=0,
-                    help="random token-id prompts instead of datasets (tests, tiny models)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    add_workload_args(ap, prompts_per_dataset=8, max_tokens=64)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--t1-batch-sizes", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 15, 32, 64])
     ap.add_argument("--chain-k", type=int, default=15)
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of nospec ddtree-B ddtree-auto dflash (default: all)")
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="budget_cpu")
     ap.add_argument("--fresh", action="store_true", help="ignore <tag>.partial.json")

@@ -489,18 +489,24 @@ def plots(out_dir: Path, tag: str, rows: list[dict], budgets: list[int]) -> list
 
 
 # --------------------------------------------------------------------------- #
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap, prompts_per_dataset: int, max_tokens: int) -> None:
+    """The pair and the prompts (shared with bench_budget.py)."""
     ap.add_argument("--target", default=None, help="HF dir (default: SmolLM2-135M, converted)")
     ap.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench", "gsm8k",
                                                       "sharegpt"])
-    ap.add_argument("--prompts-per-dataset", type=int, default=16)
+    ap.add_argument("--prompts-per-dataset", type=int, default=prompts_per_dataset)
     ap.add_argument("--synthetic-prompts", type=int, default=0,
                     help="random token-id prompts instead of datasets (tests, tiny models)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--dtype", default="float32")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap, prompts_per_dataset=16, max_tokens=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[15, 32, 64, 128, 256])
@@ -511,7 +517,6 @@ def main(argv=None) -> dict:
                     help="also run every ddtree method with build_ddtree's torch backend "
                          f"(method name + {TORCH_BUILD!r}) instead of the compiled CPU "
                          "builder, side by side")
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="real_cpu")
