@@ -203,6 +203,10 @@ def test_controller_stops_drafting_then_probes_back():
     assert pattern == [1, 2, 4, 8]
     # Every context-only step's requests count as 0 nodes chosen.
     assert controller.chosen_histogram[0] == 2 * (4 + sum(pattern))
+    skipped = sum(pattern)
+    line = controller.stats_line()
+    assert f"mean nodes per request-step 0.00 over {2 * (4 + skipped)}" in line, line
+    assert f"skipped {skipped} of {4 + skipped} steps" in line, line
     # Confident drafts again: drafting pays, and the skip length resets.
     controller = _controller(per_row=1e-5)
     controller.choose(_trees(sharpness=0.0))

@@ -156,6 +156,20 @@ class BudgetController:
             else:
                 self.context_drafter_cost.update(num_reqs, seconds)
 
+    def stats_line(self) -> str:
+        """The chosen-nodes statistics so far, one log line: mean nodes per
+        request-step, the histogram's non-empty bins, skipped drafter steps."""
+        histogram = self.chosen_histogram.tolist()
+        total = sum(histogram)
+        mean = sum(k * c for k, c in enumerate(histogram)) / max(total, 1)
+        bins = ", ".join(f"{k}: {c}" for k, c in enumerate(histogram) if c)
+        return (
+            f"DDTree auto budget: mean nodes per request-step {mean:.2f} over "
+            f"{total} request-steps (nodes: request-steps {bins or '-'}); drafter "
+            f"skipped {self.num_skipped_steps} of {self._steps} steps; draft depth "
+            f"{self.draft_depth}"
+        )
+
     # ------------------------------------------------------------------ #
     # Decisions
     # ------------------------------------------------------------------ #

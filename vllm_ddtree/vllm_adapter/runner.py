@@ -27,6 +27,7 @@ import dataclasses
 import time
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.commit import CommitPlan, plan_commit
@@ -40,6 +41,8 @@ __all__ = ["DDTreeRunnerMixin", "enable_ddtree"]
 
 
 _MIXED_CLASSES: dict[type, type] = {}
+_BUDGET_LOG_INTERVAL_S = 10.0  # vLLM's default stats log interval
+logger = init_logger(__name__)
 
 
 def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
@@ -65,6 +68,7 @@ def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
             max_rows=runner.max_num_tokens,
             max_reqs=runner.max_num_reqs,
         )
+    runner._ddtree_budget_logged = time.monotonic()
     runner._ddtree_stash = TreeStash(keep_path_probs=runner._ddtree_budget is not None)
     runner._ddtree_step_clock = None
     runner._ddtree_drafter_seconds = 0.0
@@ -108,6 +112,11 @@ class DDTreeRunnerMixin:
             seconds = time.perf_counter() - clock[0] - self._ddtree_drafter_seconds
             self._ddtree_budget.record_step(clock[1], seconds, tree=clock[2])
             self._ddtree_step_clock = None
+            now = time.monotonic()
+            if now - self._ddtree_budget_logged >= _BUDGET_LOG_INTERVAL_S:
+                # Beside vLLM's own periodic stats lines (one host read per line).
+                self._ddtree_budget_logged = now
+                logger.info(self._ddtree_budget.stats_line())
         return out
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
