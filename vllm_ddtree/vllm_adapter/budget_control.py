@@ -203,12 +203,11 @@ class BudgetController:
         full = self.full_drafter_cost.estimate(num_reqs * (self.draft_depth + 1))
         if not self.tree_step_cost.ready or full is None:
             return num_nodes  # warming up: the whole budget
-        nodes = tree.scores[:, 1:]
-        real = torch.arange(nodes.shape[1], device=nodes.device) < num_nodes.unsqueeze(
-            1
-        )
-        probs = torch.where(real, nodes.exp(), 0.0)
-        values = self.calibration.node_values(probs, tree.depths[:, 1:])
+        nodes = tree.scores[:, 1:]  # [R, B] log path probabilities
+        node_depths = tree.depths[:, 1:]  # [R, B]
+        first = torch.arange(nodes.shape[1], device=nodes.device)  # [B]
+        probs = torch.where(first < num_nodes.unsqueeze(1), nodes.exp(), 0.0)
+        values = self.calibration.node_values(probs, node_depths)
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
         context = self.context_drafter_cost.estimate(num_reqs)
@@ -227,8 +226,6 @@ class BudgetController:
             values, torch.from_numpy(verify + context)
         )
         plain = num_reqs / (self.plain_step_cost.predict(num_reqs) + context)
-        node_depths = tree.depths[:, 1:]
-        first = torch.arange(nodes.shape[1], device=nodes.device)
 
         def deepest(n):  # the deepest node among each request's first n[r]
             return torch.where(first < n.unsqueeze(1), node_depths, 0).max()
