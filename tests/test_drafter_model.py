@@ -59,7 +59,8 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
     monkeypatch.setattr(DDTreeProposer, "_sample_draft_tokens", record)
     llm = vllm.LLM(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=256,
                    speculative_config={"method": "ddtree", "model": str(tmp_path / "drafter"),
-                                       "num_speculative_tokens": 8})
+                                       "num_speculative_tokens": 8,
+                                       "ddtree_budget": "fixed"})
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        vllm.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                        use_tqdm=False)

@@ -36,7 +36,9 @@ def run(target, prompts, params, spec=None, **kw):
 
 
 def ddtree(drafter, budget):
-    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+    # "fixed": every step verifies a full tree (the auto default may skip drafts).
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
+            "ddtree_budget": "fixed"}
 
 
 def random_prompts(n, lo=2, hi=40, seed=0, prefix=()):

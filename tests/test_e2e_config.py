@@ -28,7 +28,8 @@ def start(target, spec):
 
 
 def ddtree(drafter, budget=8, **extra):
-    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget, **extra}
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
+            "ddtree_budget": "fixed", **extra}
 
 
 def test_drafter_hidden_size_must_match(root, pair):
@@ -121,6 +122,22 @@ def test_auto_budget_with_tensor_parallelism_is_refused_at_start_up(pair):
         vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
                  tensor_parallel_size=2,
                  speculative_config={**ddtree(drafter), "ddtree_budget": "auto"})
+
+
+def test_budget_defaults_to_auto(pair):
+    """ddtree_budget unset: "auto" on one worker (tensor parallelism resolves it to
+    "fixed": tests/test_tensor_parallel.py)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = pair
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 8}
+    config = EngineArgs(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                        speculative_config=spec).create_engine_config()
+    assert config.speculative_config.ddtree.budget_mode == "auto"
+    pinned = {**spec, "ddtree_budget": "fixed"}
+    config = EngineArgs(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                        speculative_config=pinned).create_engine_config()
+    assert config.speculative_config.ddtree.budget_mode == "fixed"
 
 
 def test_dynamic_sd_table_is_refused_at_start_up(pair):

@@ -94,7 +94,10 @@ def generate(
 
 
 def ddtree(drafter, budget):
-    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+    # "fixed": these tests count tree mechanics (B nodes every step); the auto
+    # budget, the default, has its own tests (test_budget_e2e.py).
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
+            "ddtree_budget": "fixed"}
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,9 @@ def make_llm(target, speculative_config=None, **kw):
 
 
 def ddtree(drafter, budget=BUDGET, **kw):
-    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget, **kw}
+    # "fixed" unless asked: the statistics need trees verified every step.
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
+            "ddtree_budget": "fixed", **kw}
 
 
 def spec_counts(llm) -> dict:

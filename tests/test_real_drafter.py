@@ -51,7 +51,8 @@ def test_committed_drafter_in_vllm(vllm_patched):
     chain, tau_chain = run(target, prompts, {"method": "dflash", "model": str(DRAFTER),
                                              "num_speculative_tokens": 15})
     tree, tau_tree = run(target, prompts, {"method": "ddtree", "model": str(DRAFTER),
-                                           "num_speculative_tokens": 32})
+                                           "num_speculative_tokens": 32,
+                                           "ddtree_budget": "fixed"})
     print("tau chain", tau_chain, "tau tree", tau_tree)
     assert chain == ref and tree == ref
     assert tau_chain > 1.2, tau_chain

@@ -179,7 +179,9 @@ def setup(tmp_path_factory):
     with open(config_file, "w") as f:
         json.dump({**generation_config, "repetition_penalty": REPETITION_PENALTY}, f)
     port = free_port()
-    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
+    # "fixed": test_spec_decode_metrics counts B draft tokens per draft.
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET,
+            "ddtree_budget": "fixed"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--seed", "0",

@@ -34,7 +34,8 @@ import json, sys
 
 def counters(worker):
     runner = worker.model_runner
-    return [int(runner.ddtree_num_tree_verifies), int(runner.ddtree_num_branch_paths)]
+    return [int(runner.ddtree_num_tree_verifies), int(runner.ddtree_num_branch_paths),
+            runner._ddtree_budget is None]
 
 
 def record_sampled_tokens(worker):
@@ -68,6 +69,8 @@ def main():
     for mode in ("plain", "ddtree"):
         spec = None
         if mode == "ddtree":
+            # ddtree_budget unset: with tensor parallelism it resolves to
+            # "fixed" (auto would let each worker trim its own trees).
             spec = {"method": "ddtree", "model": args["drafter"],
                     "num_speculative_tokens": args["budget"]}
         llm = vllm.LLM(model=args["target"], dtype="float32", enforce_eager=True,
@@ -125,8 +128,10 @@ def test_workers_commit_the_same_paths(run):
     assert len(greedy) == 2 and len(everything) == 2
     # Trees were verified and sibling paths committed, on both workers alike.
     assert greedy[0] == greedy[1], greedy
-    verifies, branch_paths = greedy[0]
+    verifies, branch_paths, fixed_budget = greedy[0]
     assert verifies > 0 and branch_paths > 0, greedy
+    # ddtree_budget unset resolves to "fixed" under tensor parallelism.
+    assert fixed_budget, greedy
     assert everything[0] == everything[1], everything
     assert everything[0][1] > branch_paths, everything
 

@@ -1,16 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """Demo: DDTree speculative decoding in vLLM, and the core on real-shaped logits.
 
-    python -m vllm_ddtree.demo              # vLLM generation with "method": "ddtree"
-    python -m vllm_ddtree.demo --core [--budget 64] [--vocab 151936] [--seed 0]
+    python -m vllm_ddtree.demo          # SmolLM2-135M-Instruct, 3 chat prompts
+    python -m vllm_ddtree.demo --tiny   # the tiny embedded pair (token ids)
+    python -m vllm_ddtree.demo --core   # tree build + verify on synthetic logits
 
-The default runs vLLM's offline ``LLM`` twice on the same prompts, without
-speculation and with ``speculative_config={"method": "ddtree", ...}``, on the
-embedded default models: a tiny Qwen3 target and DFlash drafter written
-deterministically by :mod:`vllm_ddtree.tiny_models` (no download; the target
+The default converts SmolLM2-135M-Instruct once from its PyPI package
+(:func:`vllm_ddtree.assets.smollm2_target`) and answers three chat prompts with
+vLLM's offline ``LLM``, without speculation and with
+``speculative_config={"method": "ddtree", ...}`` and the committed DFlash drafter
+(``vllm_ddtree/drafter/smollm2_135m``). Both engines stay alive and take the
+prompts in turn (order alternated), so the machine's speed drifts hit both alike.
+It prints the answers, that they are identical (greedy: lossless), tokens/s of
+both, the acceptance length tau and the speed-up.
+
+``--tiny``: the same on a tiny Qwen3 target and DFlash drafter written
+deterministically by :mod:`vllm_ddtree.tiny_models` (no conversion; the target
 mostly repeats its last token, the drafter predicts that, so most drafts are
-accepted). It prints both outputs (identical: lossless), the acceptance metrics
-and the wall times.
+accepted); prints token ids.
 
 ``--core``: shapes are those of a Qwen3 DFlash b16 drafter (L = 15 drafted positions,
 V = 151,936). The logits are synthetic (no model is downloaded): a drafter that
@@ -67,8 +74,10 @@ def print_tree(tree: DraftTree, limit: int = 24) -> None:
         shown += 1
         prob = float(tree.scores[0, node].exp())
         label = "root" if node == 0 else f"node {node:3d}"
-        print(f"{'  ' * indent}{label}: token {int(tree.tokens[0, node]):6d}  "
-              f"q(prefix)={prob:.3f}")
+        print(
+            f"{'  ' * indent}{label}: token {int(tree.tokens[0, node]):6d}  "
+            f"q(prefix)={prob:.3f}"
+        )
         for c in children.get(node, []):
             show(c, indent + 1)
 
@@ -77,81 +86,192 @@ def print_tree(tree: DraftTree, limit: int = 24) -> None:
         print(f"  ... ({n + 1 - shown} more nodes)")
 
 
-def vllm_demo(budget: int, max_tokens: int, cache_dir: str) -> None:
-    import os
+CHAT_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in three sentences why the sky is blue.",
+    "A train travels 60 km in 45 minutes. What is its average speed in km/h?",
+)
+TINY_PROMPTS = (
+    "DDTree verifies a whole draft tree in one forward pass.",
+    "The quick brown fox",
+    "vLLM + DFlash + DDTree",
+)
 
+
+def spec_counts(llm) -> tuple[float, float]:
+    """(verify steps with drafts, accepted drafts) from vLLM's metrics."""
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return (
+        metrics.get("vllm:spec_decode_num_drafts") or 0.0,
+        metrics.get("vllm:spec_decode_num_accepted_tokens") or 0.0,
+    )
+
+
+def vllm_demo(tiny: bool, budget: int, max_tokens: int, cache_dir: str) -> None:
+    """Greedy generation without speculation and with ddtree, side by side."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm_ddtree import tiny_models
+    # The answers and the figures, not vLLM's start-up log (set it to see that).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if tiny:
+        from vllm_ddtree import tiny_models
 
-    target, drafter = tiny_models.make_pair(
-        cache_dir, "oracle", name="demo", seed=0, target_oracle_noise=8.0,
-        drafter_block_size=9,
-    )
+        target, drafter = tiny_models.make_pair(
+            cache_dir,
+            "oracle",
+            name="demo",
+            seed=0,
+            target_oracle_noise=8.0,
+            drafter_block_size=9,
+        )
+        prompts = [{"prompt": p} for p in TINY_PROMPTS]
+    else:
+        from transformers import AutoTokenizer
+
+        from vllm_ddtree import assets
+
+        target = assets.smollm2_target(verbose=True)
+        drafter = os.path.join(os.path.dirname(__file__), "drafter", "smollm2_135m")
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        prompts = [{"prompt": assets.render_chat(tokenizer, p)} for p in CHAT_PROMPTS]
     import vllm
 
-    prompts = ["DDTree verifies a whole draft tree in one forward pass.",
-               "The quick brown fox", "vLLM + DFlash + DDTree"]
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    results = {}
-    for name, spec in (
-        ("no speculation", None),
-        ("ddtree", {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}),
-    ):
-        llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=1024,
-                       disable_log_stats=False, speculative_config=spec, seed=0)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        metrics = {m.name: m for m in llm.get_metrics()}
-        results[name] = [list(o.outputs[0].token_ids) for o in outs]
-        print(f"\n== {name}: {len(prompts)} prompts x {max_tokens} tokens in {elapsed:.2f} s")
-        for prompt, out in zip(prompts, outs):
-            print(f"  {prompt!r} -> token ids {list(out.outputs[0].token_ids)[:16]}...")
-        if spec is not None:
-            drafts = metrics["vllm:spec_decode_num_drafts"].value
-            accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
-            per_depth = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
-            print(f"  tree verifications {drafts}, accepted drafts {accepted}, mean "
-                  f"acceptance length {1 + accepted / max(drafts, 1):.2f} tokens/step")
-            print(f"  accepted per depth {[v for v in per_depth if v]}")
-        del llm
-    same = results["ddtree"] == results["no speculation"]
-    print(f"\nddtree output == no-speculation output: {same}")
+    # ignore_eos on the tiny pair only: its random vocabulary has no real EOS.
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=tiny
+    )
+    specs = {
+        "no speculation": None,
+        "ddtree": {
+            "method": "ddtree",
+            "model": drafter,
+            "num_speculative_tokens": budget,
+        },
+    }
+    engines = {}
+    for (
+        name,
+        spec,
+    ) in specs.items():  # ddtree last: vLLM's metrics are the last engine's
+        engines[name] = vllm.LLM(
+            model=target,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=1024,
+            disable_log_stats=False,
+            speculative_config=spec,
+            seed=0,
+        )
+        engines[name].generate(
+            prompts[:1], vllm.SamplingParams(max_tokens=4), use_tqdm=False
+        )  # warm-up, untimed
+    before = spec_counts(engines["ddtree"])
+    outputs = {name: [] for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    for i, prompt in enumerate(prompts):
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            start = time.perf_counter()
+            out = engines[name].generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            seconds[name] += time.perf_counter() - start
+            outputs[name].append(out)
+    after = spec_counts(engines["ddtree"])
+    drafts, accepted = after[0] - before[0], after[1] - before[1]
+    texts = CHAT_PROMPTS if not tiny else TINY_PROMPTS
+    for i, text in enumerate(texts):
+        out = outputs["ddtree"][i]
+        print(f"\n>>> {text}")
+        print(
+            out.text.strip() if not tiny else f"token ids {list(out.token_ids)[:24]}..."
+        )
+    same = all(
+        list(a.token_ids) == list(b.token_ids)
+        for a, b in zip(outputs["ddtree"], outputs["no speculation"], strict=True)
+    )
+    print()
+    speed = {}
+    for name in engines:
+        tokens = sum(len(o.token_ids) for o in outputs[name])
+        speed[name] = tokens / seconds[name]
+        print(
+            f"{name:15s} {tokens} tokens in {seconds[name]:.2f} s: "
+            f"{speed[name]:.1f} tok/s"
+        )
+    tau = f"{1 + accepted / drafts:.2f}" if drafts else "- (no tree verified)"
+    print(
+        f"ddtree: {int(drafts)} tree verifications, acceptance length tau = {tau} "
+        f"tokens per verify step; speed-up "
+        f"{speed['ddtree'] / speed['no speculation']:.2f}x"
+    )
+    print(f"ddtree output == no-speculation output (greedy, token for token): {same}")
     if not same:
         raise SystemExit("lossless check failed")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--core", action="store_true",
-                        help="the tree build + verification demo, without vLLM")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/vllm-ddtree"),
-                        help="where the embedded default models are written")
-    parser.add_argument("--budget", type=int, default=64, help="tree node budget B")
+    parser.add_argument(
+        "--core",
+        action="store_true",
+        help="the tree build + verification demo, without vLLM",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="vLLM on the tiny embedded pair instead of SmolLM2-135M",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per prompt (default 128; 48 with --tiny)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=os.path.expanduser("~/.cache/vllm-ddtree"),
+        help="where the embedded default models are written",
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="tree node budget B (default 32 in vLLM, 64 with --core)",
+    )
     parser.add_argument("--depth", type=int, default=15, help="drafted positions L")
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=8, help="target draws to verify")
     args = parser.parse_args()
     if not args.core:
-        vllm_demo(args.budget, args.max_tokens, args.cache_dir)
+        vllm_demo(
+            args.tiny,
+            args.budget or 32,
+            args.max_tokens or (48 if args.tiny else 128),
+            args.cache_dir,
+        )
         return
+    args.budget = args.budget or 64
 
     draft, favourite = synthetic_logits(args.depth, args.vocab, args.budget, args.seed)
     start = time.perf_counter()
     tree = build_ddtree(draft, args.budget, root_token_ids=torch.tensor([42]))
     build_ms = (time.perf_counter() - start) * 1e3
-    print(f"DDTree: L={args.depth} V={args.vocab} B={args.budget}: "
-          f"{int(tree.num_nodes[0])} nodes, max depth {int(tree.depths.max())}, "
-          f"expected acceptance sum q(u) = {float(tree.scores[0, 1:].exp().sum()):.2f} "
-          f"(built in {build_ms:.1f} ms)")
+    print(
+        f"DDTree: L={args.depth} V={args.vocab} B={args.budget}: "
+        f"{int(tree.num_nodes[0])} nodes, max depth {int(tree.depths.max())}, "
+        f"expected acceptance sum q(u) = {float(tree.scores[0, 1:].exp().sum()):.2f} "
+        f"(built in {build_ms:.1f} ms)"
+    )
     print_tree(tree)
 
     runs = [("greedy", None, "rejection")]
-    sampled = TreeSamplingParams.from_lists([1.0], top_k=[50], top_p=[0.95], seeds=[args.seed])
-    runs += [("T=1 sample-walk", sampled, "sample_walk"), ("T=1 rejection", sampled, "rejection")]
+    sampled = TreeSamplingParams.from_lists(
+        [1.0], top_k=[50], top_p=[0.95], seeds=[args.seed]
+    )
+    runs += [
+        ("T=1 sample-walk", sampled, "sample_walk"),
+        ("T=1 rejection", sampled, "rejection"),
+    ]
     accepted = {name: [] for name, _, _ in runs}
     for round_ in range(args.rounds):  # independent target draws on the same tree
         target = target_for(tree, favourite, args.vocab, args.seed + round_)
@@ -162,11 +282,16 @@ def main() -> None:
             if round_ == 0:
                 path = out.accepted_indices[0, : n + 1].tolist()
                 tokens = out.committed_tokens[0, : n + 1].tolist()
-                print(f"{name:16s} accepted path {path}\n{'':16s} commits {n} drafts + 1 "
-                      f"bonus: {tokens}")
+                print(
+                    f"{name:16s} accepted path {path}\n{'':16s} commits {n} drafts + 1 "
+                    f"bonus: {tokens}"
+                )
     for name, lengths in accepted.items():
-        print(f"{name:16s} tokens per round over {args.rounds} target draws: {lengths} "
-              f"(mean {sum(lengths) / len(lengths):.2f})")
+        print(
+            f"{name:16s} tokens per round over {args.rounds} target draws: {lengths} "
+            f"(mean {sum(lengths) / len(lengths):.2f})"
+        )
+
 
 if __name__ == "__main__":
     main()

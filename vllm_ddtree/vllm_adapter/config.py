@@ -48,13 +48,15 @@ class DDTreeConfig:
     kernel_backend: str = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
-    budget_mode: str = "fixed"
-    """``"fixed"``: every tree has B nodes (``num_speculative_tokens``).
-    ``"auto"``: B is the largest budget; each step keeps, per request, the tree
+    budget_mode: str | None = None
+    """``"auto"``: B is the largest budget; each step keeps, per request, the tree
     prefix that maximises the batch's expected tokens per second under step-cost
     models fitted online, and skips the drafter forward (its context K/V is still
     written) while drafting does not pay
-    (:mod:`vllm_ddtree.vllm_adapter.budget_control`)."""
+    (:mod:`vllm_ddtree.vllm_adapter.budget_control`).
+    ``"fixed"``: every tree has B nodes (``num_speculative_tokens``).
+    Unset (None) resolves at start-up to ``"auto"``, or to ``"fixed"`` where auto
+    is unsupported (tensor parallelism)."""
 
 
 # User-facing key -> DDTreeConfig field.
@@ -144,7 +146,7 @@ def _validate(cfg: DDTreeConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ValueError(f"ddtree_{name} must be in (0, 1], got {value!r}")
-    if cfg.budget_mode not in ("auto", "fixed"):
+    if cfg.budget_mode not in (None, "auto", "fixed"):
         raise ValueError(
             f"ddtree_budget must be 'auto' or 'fixed', got {cfg.budget_mode!r}"
         )

@@ -23,6 +23,8 @@ import dataclasses
 import functools
 import os
 
+from vllm.logger import init_logger
+
 from vllm_ddtree.vllm_adapter.checks import check_target_and_platform
 from vllm_ddtree.vllm_adapter.config import (
     DDTreeConfig,
@@ -38,6 +40,8 @@ __all__ = [
     "speculative_config_hook",
     "v2_runner_unsupported_hook",
 ]
+
+logger = init_logger(__name__)
 
 
 def speculative_config_hook(create_speculative_config):
@@ -120,7 +124,16 @@ def _finalize(
             "from measured step costs, with num_speculative_tokens as the bound"
         )
     tensor = getattr(spec.target_parallel_config, "tensor_parallel_size", 1) or 1
-    if ddtree.budget_mode == "auto" and tensor != 1:
+    budget_mode = ddtree.budget_mode
+    if budget_mode is None:
+        budget_mode = "auto" if tensor == 1 else "fixed"
+        if tensor != 1:
+            logger.info(
+                "ddtree: tensor_parallel_size=%d, so ddtree_budget defaults to "
+                "'fixed' (every tree has num_speculative_tokens nodes)",
+                tensor,
+            )
+    if budget_mode == "auto" and tensor != 1:
         # Each worker times its own steps: their trims and drafter skips would
         # differ, so workers would verify different trees.
         raise ValueError(
@@ -174,7 +187,7 @@ def _finalize(
                 "number of positions the DFlash drafter predicts, block_size - 1)"
             )
         draft_len = int(block) - 1
-    return dataclasses.replace(ddtree, draft_len=draft_len)
+    return dataclasses.replace(ddtree, draft_len=draft_len, budget_mode=budget_mode)
 
 
 def v2_runner_unsupported_hook(get_unsupported_features):
