@@ -192,6 +192,7 @@ def test_controller_stops_drafting_then_probes_back():
     steps between probes."""
     pytest.importorskip("vllm")
     controller = _controller(per_row=0.01)
+    controller.explore_share = 1.0  # the doubling alone (probes are cheap here)
     pattern = []
     for _ in range(4):
         counts = controller.choose(_trees(sharpness=0.0))
@@ -212,6 +213,32 @@ def test_controller_stops_drafting_then_probes_back():
     controller.choose(_trees(sharpness=0.0))
     assert controller.choose(_trees(sharpness=12.0)).min() >= 4
     assert controller.draft_next(2)
+
+
+def test_controller_keeps_probes_within_the_exploration_share():
+    """A drafter pass dearer than a plain step, drafts that never pay: the
+    context-only runs between probes are long enough that the probes' extra
+    drafter time (full pass - context-only pass) is about explore_share of the
+    time, not the 1, 2, 4, ... doubling's (measured on CPU: 2-4%)."""
+    pytest.importorskip("vllm")
+    full, context, per_row, num_reqs = 0.05, 0.002, 0.01, 2
+    controller = _controller(per_row=per_row, full=full, context=context)
+    controller.max_skip = 4  # the doubling alone would probe every 5th step
+    elapsed = probe_time = 0.0
+    depth = controller.max_depth  # the depth of the pass that drafted the tree
+    for _ in range(6):
+        counts = controller.choose(_trees(sharpness=0.0))
+        assert counts.tolist() == [0, 0]
+        # The true costs (_controller records full * requests at depth 4).
+        pass_time = full * num_reqs * (depth + 1) / (controller.max_depth + 1)
+        probe_time += pass_time - context * num_reqs
+        plain = 0.020 + per_row * num_reqs + context * num_reqs
+        elapsed += plain + pass_time - context * num_reqs
+        while not controller.draft_next(num_reqs):
+            elapsed += plain
+        depth = controller.draft_depth
+    share = probe_time / elapsed
+    assert 0.5 * controller.explore_share <= share <= 1.1 * controller.explore_share, share
 
 
 def test_controller_drafts_only_the_depths_its_trees_use():

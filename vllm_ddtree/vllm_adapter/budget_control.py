@@ -23,8 +23,10 @@ full drafter pass). Unless that beats decoding without drafts (plain step +
 context-only pass) by ``min_gain``, the drafter stops: the next passes are
 context-only (every committed token's target hidden states still reach the
 drafter's K/V, so later drafts are what they would have been) and drafting is
-tried again after 1, 2, 4, ... skipped steps (at most ``max_skip``); the tree
-already drafted is verified only as far as it beats one plain step. While the
+tried again after 1, 2, 4, ... skipped steps (at most ``max_skip``), and never
+sooner than keeps the probes' drafter passes (over a context-only pass) within
+``explore_share`` of the time; the tree already drafted is verified only as far
+as it beats one plain step. While the
 chosen trees stay shallow the drafter computes logits for the depths in use
 only (the LM head over the vocabulary is most of a pass), and for the whole
 block every ``full_depth_every``-th pass.
@@ -35,6 +37,8 @@ DDTree, verified exactly as any tree.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -89,6 +93,13 @@ class BudgetController:
         # pass is paid up front, and the estimates are noisy (step times on a
         # shared CPU spread by +-30%), so a marginal win is no win.
         self.min_gain = 0.03
+        # While drafting does not pay, a probe (a full pass instead of a
+        # context-only one) is exploration: its extra cost is kept within this
+        # share of the time, up to max_explore_skip skipped steps per probe.
+        # (Measured on 2 CPU cores: a probe's pass costs about one plain step at
+        # batch 1 and 4, so doubling runs capped at 64 spent 2-4% on probes.)
+        self.explore_share = 0.01
+        self.max_explore_skip = 1024
         self._steps = 0
         self.retime_every = 512
 
@@ -244,7 +255,14 @@ class BudgetController:
             self._skip_len = max(1, self._skip_len // 2)
         else:
             # It does not pay at this load: context-only passes, then a probe.
-            self._skip_left = self._skip_len
+            step = float(self.plain_step_cost.predict(num_reqs)) + context
+            probe = max(full - context, 0.0)
+            # Skipped steps per probe such that probe <= share * (run + 1) steps.
+            explore_run = min(
+                self.max_explore_skip,
+                math.ceil(probe / (self.explore_share * max(step, 1e-9))) - 1,
+            )
+            self._skip_left = max(self._skip_len, explore_run)
             self._skip_len = min(2 * self._skip_len, self.max_skip)
             # This tree is drafted already (its pass is paid): verify the prefix
             # that beats one plain step, or nothing.
