@@ -124,7 +124,8 @@ def vllm_demo(tiny: bool, budget: int, max_tokens: int, cache_dir: str) -> None:
             target_oracle_noise=8.0,
             drafter_block_size=9,
         )
-        prompts = [{"prompt": p} for p in TINY_PROMPTS]
+        texts = TINY_PROMPTS
+        prompts = [{"prompt": p} for p in texts]
     else:
         from transformers import AutoTokenizer
 
@@ -133,7 +134,8 @@ def vllm_demo(tiny: bool, budget: int, max_tokens: int, cache_dir: str) -> None:
         target = assets.smollm2_target(verbose=True)
         drafter = os.path.join(os.path.dirname(__file__), "drafter", "smollm2_135m")
         tokenizer = AutoTokenizer.from_pretrained(target)
-        prompts = [{"prompt": assets.render_chat(tokenizer, p)} for p in CHAT_PROMPTS]
+        texts = CHAT_PROMPTS
+        prompts = [{"prompt": assets.render_chat(tokenizer, p)} for p in texts]
     import vllm
 
     # ignore_eos on the tiny pair only: its random vocabulary has no real EOS.
@@ -149,10 +151,8 @@ def vllm_demo(tiny: bool, budget: int, max_tokens: int, cache_dir: str) -> None:
         },
     }
     engines = {}
-    for (
-        name,
-        spec,
-    ) in specs.items():  # ddtree last: vLLM's metrics are the last engine's
+    # ddtree last: vLLM's metrics are the last engine's.
+    for name, spec in specs.items():
         engines[name] = vllm.LLM(
             model=target,
             dtype="float32",
@@ -177,7 +177,6 @@ def vllm_demo(tiny: bool, budget: int, max_tokens: int, cache_dir: str) -> None:
             outputs[name].append(out)
     after = spec_counts(engines["ddtree"])
     drafts, accepted = after[0] - before[0], after[1] - before[1]
-    texts = CHAT_PROMPTS if not tiny else TINY_PROMPTS
     for i, text in enumerate(texts):
         out = outputs["ddtree"][i]
         print(f"\n>>> {text}")

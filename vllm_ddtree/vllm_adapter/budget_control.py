@@ -26,10 +26,9 @@ drafter's K/V, so later drafts are what they would have been) and drafting is
 tried again after 1, 2, 4, ... skipped steps (at most ``max_skip``), and never
 sooner than keeps the probes' drafter passes (over a context-only pass) within
 ``explore_share`` of the time; the tree already drafted is verified only as far
-as it beats one plain step. While the
-chosen trees stay shallow the drafter computes logits for the depths in use
-only (the LM head over the vocabulary is most of a pass), and for the whole
-block every ``full_depth_every``-th pass.
+as it beats one plain step. While the chosen trees stay shallow the drafter
+computes logits for the depths in use only (the LM head over the vocabulary is
+most of a pass), and for the whole block every ``full_depth_every``-th pass.
 
 Lossless: budgets depend on the draft scores and on timings only, never on the
 target's samples of the step being verified; a trimmed tree is a prefix of the
@@ -236,7 +235,9 @@ class BudgetController:
         skip_counts, skipping = allocate_nodes(
             values, torch.from_numpy(verify + context)
         )
-        plain = num_reqs / (self.plain_step_cost.predict(num_reqs) + context)
+        # [s] a step without drafts: plain target step + context-only pass.
+        plain_step = float(self.plain_step_cost.predict(num_reqs)) + context
+        plain = num_reqs / plain_step
 
         def deepest(n):  # the deepest node among each request's first n[r]
             return torch.where(first < n.unsqueeze(1), node_depths, 0).max()
@@ -255,12 +256,11 @@ class BudgetController:
             self._skip_len = max(1, self._skip_len // 2)
         else:
             # It does not pay at this load: context-only passes, then a probe.
-            step = float(self.plain_step_cost.predict(num_reqs)) + context
             probe = max(full - context, 0.0)
             # Skipped steps per probe such that probe <= share * (run + 1) steps.
             explore_run = min(
                 self.max_explore_skip,
-                math.ceil(probe / (self.explore_share * max(step, 1e-9))) - 1,
+                math.ceil(probe / (self.explore_share * max(plain_step, 1e-9))) - 1,
             )
             self._skip_left = max(self._skip_len, explore_run)
             self._skip_len = min(2 * self._skip_len, self.max_skip)
