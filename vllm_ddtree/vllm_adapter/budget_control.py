@@ -82,11 +82,13 @@ class BudgetController:
         self._drafted = 0
         self._skip_left = 0
         self._skip_len = 1
-        # [B + 1] int64: request-steps that got 0, 1, ..., B nodes (device);
-        # context-only steps count as 0.
-        self.chosen_histogram = torch.zeros(
+        # [B + 1] int64: request-steps of drafted steps that got 0, 1, ..., B
+        # nodes (device); the request-steps of context-only steps (0 nodes) are
+        # counted on the host. ``chosen_histogram`` is both.
+        self._drafted_histogram = torch.zeros(
             budget + 1, dtype=torch.int64, device=device
         )
+        self._skipped_request_steps = 0
         self.num_skipped_steps = 0
         # Drafting must beat decoding without drafts by this share: a drafter
         # pass is paid up front, and the estimates are noisy (step times on a
@@ -166,6 +168,14 @@ class BudgetController:
             else:
                 self.context_drafter_cost.update(num_reqs, seconds)
 
+    @property
+    def chosen_histogram(self) -> torch.Tensor:
+        """[B + 1] int64 request-steps that got 0, 1, ..., B nodes (a new tensor;
+        context-only steps count as 0)."""
+        histogram = self._drafted_histogram.clone()
+        histogram[0] += self._skipped_request_steps
+        return histogram
+
     def stats_line(self) -> str:
         """The chosen-nodes statistics so far, one log line: mean nodes per
         request-step, the histogram's non-empty bins, skipped drafter steps."""
@@ -196,7 +206,7 @@ class BudgetController:
             skip = True
         if skip:
             self.num_skipped_steps += 1
-            self.chosen_histogram[0] += num_reqs
+            self._skipped_request_steps += num_reqs
             return False
         self._drafted += 1
         if self._drafted % self.full_depth_every == 0 or not self._deepest:
@@ -271,7 +281,7 @@ class BudgetController:
             else:
                 counts, deepest_chosen = torch.zeros_like(skip_counts), 0
         counts = torch.minimum(counts, num_nodes)
-        self.chosen_histogram.index_add_(
+        self._drafted_histogram.index_add_(
             0, counts, torch.ones_like(counts, dtype=torch.int64)
         )
         self._deepest = [*self._deepest[1 - self.depth_window :], deepest_chosen]

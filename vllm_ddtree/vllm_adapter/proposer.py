@@ -123,20 +123,11 @@ class DDTreeProposer(DFlashProposer):
             num_reqs, 0, dtype=torch.int64, device=next_token_ids.device
         )
         if not self.verified_drafts and target_positions.dim() == 1:
-            num_tokens = target_hidden_states.shape[0]
-            # Copies: the runner reuses its hidden-state and slot buffers.
-            self._deferred.append(
-                (
-                    target_hidden_states.clone(),
-                    target_positions[:num_tokens].clone(),
-                    common_attn_metadata.slot_mapping[:num_tokens].to(
-                        torch.int64, copy=True
-                    ),
-                )
+            self.defer_context(
+                target_hidden_states,
+                target_positions,
+                common_attn_metadata.slot_mapping,
             )
-            self._deferred_rows += num_tokens
-            if self._deferred_rows >= self.max_deferred_rows:
-                self.flush_context()
             return empty
         self.flush_context()
         hidden = self.model.combine_hidden_states(target_hidden_states)
@@ -153,6 +144,33 @@ class DDTreeProposer(DFlashProposer):
         )
         self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
         return empty
+
+    def defer_context(
+        self,
+        target_hidden_states: torch.Tensor,
+        target_positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Queues the context K/V of a step's rows, all committed (no draft was
+        verified), for the next :meth:`flush_context`.
+
+        Args:
+            target_hidden_states: [n, 3H] the target's tapped hidden states.
+            target_positions: [>= n] their positions (linear, not M-RoPE).
+            slot_mapping: [>= n] their slots in the drafter's KV group.
+        """
+        num_tokens = target_hidden_states.shape[0]
+        # Copies: the runner reuses its hidden-state and slot buffers.
+        self._deferred.append(
+            (
+                target_hidden_states.clone(),
+                target_positions[:num_tokens].clone(),
+                slot_mapping[:num_tokens].to(torch.int64, copy=True),
+            )
+        )
+        self._deferred_rows += num_tokens
+        if self._deferred_rows >= self.max_deferred_rows:
+            self.flush_context()
 
     def flush_context(self) -> None:
         """Writes the deferred context K/V (oldest first, one batch)."""

@@ -299,11 +299,33 @@ class DDTreeRunnerMixin:
                 ]
         budget = self._ddtree_budget
         if budget is not None:
-            self.drafter.draft_this_step = budget.draft_next(self.input_batch.num_reqs)
+            num_reqs = self.input_batch.num_reqs
+            started = time.perf_counter()
+            self.drafter.draft_this_step = budget.draft_next(num_reqs)
             self.drafter.draft_depth = budget.draft_depth
             step = self._ddtree_step
             self.drafter.verified_drafts = step is not None and any(step.num_drafts)
-            started = time.perf_counter()
+            if not self.drafter.draft_this_step and not self.drafter.verified_drafts:
+                # Every row of the step is committed: its context K/V is queued
+                # here, without vLLM's drafter-input preparation (next tokens,
+                # rejected-row bookkeeping, hidden-state gather), which is most of
+                # a context-only step's cost and has nothing to prepare.
+                num_tokens = scheduler_output.total_num_scheduled_tokens
+                if aux_hidden_states is not None:
+                    target_hidden = torch.cat(
+                        [h[:num_tokens] for h in aux_hidden_states], dim=-1
+                    )
+                else:
+                    target_hidden = hidden_states[:num_tokens]
+                self.drafter.defer_context(
+                    target_hidden,
+                    self._get_positions(num_tokens),
+                    common_attn_metadata.slot_mapping,
+                )
+                seconds = time.perf_counter() - started
+                budget.record_drafter(False, num_reqs, seconds)
+                self._ddtree_drafter_seconds = seconds
+                return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
         draft = super().propose_draft_token_ids(
             scheduler_output,
             sampled_token_ids,
