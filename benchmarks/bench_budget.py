@@ -66,15 +66,13 @@ CONTROL = "nospec-control"
 
 
 def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, dict | None]:
-    # A second engine without speculation: the same code twice measures the
-    # per-engine speed difference on this machine (engine placement, not the
-    # method), the floor under which method ratios are not resolved.
     # Engines are created in this order. Measured here, an engine created late
     # in the process can run its plain forward ~5% slower than the same code
     # created early (benchmarks/ab_plain_forward.py; results/budget_cpu_t0_partial.md),
     # so the two engines of the headline ratio (auto / nospec) are created first,
     # side by side, and the control last: its ratio shows the spread between the
-    # first and the last engine.
+    # first and the last engine (placement, not the method: the floor under
+    # which method ratios are not resolved).
     specs: dict[str, dict | None] = {"nospec": None}
     specs[AUTO] = {"method": "ddtree", "model": drafter,
                    "num_speculative_tokens": max(budgets), "ddtree_budget": "auto"}
