@@ -28,7 +28,11 @@ the best of no speculation and every fixed budget, and >= 0.95x no speculation;
 greedy identity; the controller's time <= 1% of the step time.
 
 Writes ``<out>/<tag>.json``, ``.md``, ``_tokps.png``, ``_costfit.png``. Resumable:
-finished methods are kept in ``<out>/<tag>.partial.json`` (``--fresh`` ignores it).
+every finished configuration is kept in ``<out>/<tag>.partial.json`` (``--fresh``
+ignores it) and reused while the prompts, methods and the ddtree code (its last
+commit) are unchanged, so a run can go on in a later session. The report gives
+when each configuration finished; the cost-model fit is the auto engine's of the
+last process.
 
     .venv/bin/python benchmarks/bench_budget.py --tag budget_cpu
 """
@@ -36,9 +40,11 @@ finished methods are kept in ``<out>/<tag>.partial.json`` (``--fresh`` ignores i
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -82,6 +88,16 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
     specs["dflash"] = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain_k}
     specs[CONTROL] = None
     return specs
+
+
+def code_commit() -> str | None:
+    """The last commit that changed the code under test (not benchmarks/ or docs)."""
+    try:
+        return subprocess.run(["git", "log", "-1", "--format=%H", "--", "vllm_ddtree", "csrc",
+                               "setup.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def pooled(prompt_sets: dict[str, list[list[int]]]) -> list[list[int]]:
@@ -279,7 +295,8 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
     lines = ["# Cost-aware budgets: ddtree auto vs fixed budgets vs no speculation", "",
              f"Command: `{info['command']}`", "",
              f"Machine: {info['cpu_model']} ({info['os_cpu_count']} CPUs), torch "
-             f"{info['torch_version']}, {info['date_utc']}, commit {info['git_commit']}.", "",
+             f"{info['torch_version']}, {info['date_utc']}, commit {info['git_commit']} "
+             f"(ddtree code at {info['code_commit']}).", "",
              info["setup"], "", "## Goals", "", "| goal | value | target | pass |",
              "|---|---:|---|---|"]
     lines += [f"| {g['name']} | {g['value']} | {g['target']} | {'PASS' if g['pass'] else 'FAIL'} |"
@@ -296,7 +313,8 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
     for temp, batch in configs:
         sel = [r for r in runs if r["temperature"] == temp and r["batch"] == batch]
         base = next((r for r in sel if r["method"] == "nospec"), None)
-        lines += [f"## T = {temp}, batch {batch}", "",
+        when = sorted({r.get("finished_utc", "?") for r in sel})
+        lines += [f"## T = {temp}, batch {batch}", "", f"Finished {', '.join(when)} (UTC).", "",
                   "| method | tok/s | vs nospec | tau | nodes / verified request | steps | "
                   "target forward ms / step | "
                   + " | ".join(f"{s} %" for s in SECTIONS) + " |",
@@ -456,9 +474,12 @@ def main(argv=None) -> dict:
         specs = {k: v for k, v in specs.items() if k in args.methods}
     args.out.mkdir(parents=True, exist_ok=True)
     partial_path = args.out / f"{args.tag}.partial.json"
-    key = {"prompts": prompts, "configs": configs, "max_tokens": args.max_tokens,
-           "methods": list(specs), "target": str(args.target), "drafter": args.drafter,
-           "dtype": args.dtype}
+    # Finished configurations are reused only when measured with the same
+    # prompts, methods and ddtree code; a run can be resumed in a later session
+    # (each configuration is side by side within itself).
+    key = {"prompts": prompts, "max_tokens": args.max_tokens, "methods": list(specs),
+           "target": str(args.target), "drafter": args.drafter, "dtype": args.dtype,
+           "code_commit": code_commit()}
     done: dict[str, dict] = {}  # "method|T|batch" -> run
     if partial_path.exists() and not args.fresh:
         saved = json.loads(partial_path.read_text())
@@ -482,15 +503,17 @@ def main(argv=None) -> dict:
             k = c % max(len(names), 1)
             for name in names[k:] + names[:k]:
                 engines[name].run_chunk(temperature, chunk, args, timers)
+        measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
         for name in names:
-            done[f"{name}|{temperature}|{batch}"] = engines[name].finish(
-                temperature, batch, timers)
+            run = engines[name].finish(temperature, batch, timers)
+            done[f"{name}|{temperature}|{batch}"] = dict(run, finished_utc=measured)
         partial_path.write_text(json.dumps({"key": key, "runs": done}))
     runs = [done[f"{name}|{t}|{b}"] for t, b in configs for name in specs
             if f"{name}|{t}|{b}" in done]
     extra = engines[AUTO].summary(trace) if AUTO in engines else {}
     goals = evaluate_goals(runs)
     info = machine_info(args, command)
+    info["code_commit"] = key["code_commit"]
     info["setup"] = (
         f"Target {args.target} ({args.dtype}), drafter {args.drafter}; "
         f"{len(prompts)} prompts ({', '.join(f'{k} {len(v)}' for k, v in prompt_sets.items())}),"
