@@ -91,11 +91,12 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
 
 
 def code_commit() -> str | None:
-    """The last commit that changed the code under test (not benchmarks/ or docs)."""
+    """The last commit that changed the code under test: the package, its kernels and
+    the committed drafter, not the drafter's training code, benchmarks or docs."""
+    paths = ["vllm_ddtree", "csrc", "setup.py", ":(exclude)vllm_ddtree/drafter/*.py"]
     try:
-        return subprocess.run(["git", "log", "-1", "--format=%H", "--", "vllm_ddtree", "csrc",
-                               "setup.py"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip() or None
+        return subprocess.run(["git", "log", "-1", "--format=%H", "--", *paths], cwd=REPO_ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
         return None
 
