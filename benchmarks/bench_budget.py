@@ -92,8 +92,9 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
 
 def code_commit() -> str | None:
     """The last commit that changed the code under test: the package, its kernels and
-    the committed drafter, not the drafter's training code, benchmarks or docs."""
-    paths = ["vllm_ddtree", "csrc", "setup.py", ":(exclude)vllm_ddtree/drafter/*.py"]
+    the committed drafter, not the drafter's training code and data, benchmarks or docs."""
+    paths = ["vllm_ddtree", "csrc", "setup.py", ":(exclude)vllm_ddtree/drafter/*.py",
+             ":(exclude)vllm_ddtree/drafter/generations"]
     try:
         return subprocess.run(["git", "log", "-1", "--format=%H", "--", *paths], cwd=REPO_ROOT,
                               capture_output=True, text=True, check=True).stdout.strip() or None
@@ -339,6 +340,7 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
                       f"{100 * auto['policy_share']:.2f}% of step time; histogram "
                       f"(nodes: request-steps) {nz}"]
         lines.append("")
+    lines += per_step_profile(runs)
     c = extra.get("controller")
     if c:
         lines += ["## The auto engine's models at the end of its run", "",
@@ -363,6 +365,47 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
               "Split = share of summed step time (execute_model + sample_tokens) per section "
               "(see bench_real.py's StepTimers).", ""]
     path.write_text("\n".join(lines) + "\n")
+
+
+def per_step_profile(runs: list[dict]) -> list[str]:
+    """Where auto's step time differs from nospec's (and the control's, the same
+    code as nospec), ms per step by section: the profile behind every auto ratio."""
+    by = {(r["method"], r["temperature"], r["batch"]): r for r in runs}
+    rows = []
+    for (method, temp, batch), auto in sorted(by.items()):
+        base = by.get(("nospec", temp, batch))
+        if method != AUTO or base is None:
+            continue
+
+        def per_step(r, key=None):
+            total = r["wall_s"] if key is None else r["split_s"][key]
+            return 1e3 * total / max(r["steps"], 1)
+
+        for name in (AUTO, CONTROL):
+            r = by.get((name, temp, batch))
+            if r is None:
+                continue
+            diffs = [per_step(r) - per_step(base)]
+            diffs += [per_step(r, s) - per_step(base, s) for s in SECTIONS]
+            rows.append(f"| T={temp} batch {batch} | {name} | {per_step(base):.2f} | "
+                        + " | ".join(f"{d:+.2f}" for d in diffs) + " |")
+    if not rows:
+        return []
+    return ["## Per-step profile: auto and the control minus nospec", "",
+            "Milliseconds per step (wall time of the chunks / steps, and each section of "
+            "the split). `nospec-control` runs the same code as `nospec`: its differences "
+            "are the noise floor of auto's.", "",
+            "| config | engine | nospec ms / step | wall | "
+            + " | ".join(SECTIONS) + " |", "|---|---|" + "---:|" * (2 + len(SECTIONS)),
+            *rows, ""]
+
+
+def render(out: Path, tag: str) -> None:
+    """Rewrites ``<tag>.md`` and the plots from ``<tag>.json`` (no engine started)."""
+    blob = json.loads((out / f"{tag}.json").read_text())
+    extra = {"controller": blob.get("controller"), "cost_samples": blob.get("cost_samples")}
+    plots(out, tag, blob["runs"], extra)
+    report(out / f"{tag}.md", blob["info"], blob["runs"], blob["goals"], extra)
 
 
 def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
@@ -446,7 +489,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="budget_cpu")
     ap.add_argument("--fresh", action="store_true", help="ignore <tag>.partial.json")
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite <tag>.md and the plots from <tag>.json")
     args = ap.parse_args(argv)
+    if args.render:
+        render(args.out, args.tag)
+        return {}
     command = "python benchmarks/bench_budget.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
