@@ -25,27 +25,59 @@ BLOCK_SIZE = 6
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 128, 64, 33]
 
 
-def random_drafter(target_dir: str, seed: int) -> DFlashDrafter:
+def random_drafter(target_dir: str, seed: int, draft_vocab_size: int | None = None
+                   ) -> DFlashDrafter:
+    """Random weights; with ``draft_vocab_size``, its own LM head over a random set of
+    target tokens (not a prefix of the vocabulary, so a wrong id map shows)."""
     config = transformers.AutoConfig.from_pretrained(target_dir)
     shape = DrafterShape.from_target(config, num_layers=2, target_layer_ids=[0, 2],
                                      mask_token_id=tiny_models.MASK_TOKEN_ID,
-                                     block_size=BLOCK_SIZE)
+                                     block_size=BLOCK_SIZE, draft_vocab_size=draft_vocab_size)
     torch.manual_seed(seed)
     model = DFlashDrafter(shape)
     with torch.no_grad():  # norms and the mask embedding away from their defaults
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p))
+        if draft_vocab_size:
+            model.set_draft_token_ids(torch.randperm(config.vocab_size)[:draft_vocab_size])
+            model.lm_head.weight.mul_(20.0)  # spread logits: no near-tie argmax
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypatch, arch):
+def draft_logits_in_torch(model, target_dir, prompt, bonus):
+    """The first block's mask-slot logits, ``[bs - 1, V']``, from the HF target's hidden
+    states of ``prompt`` (the context a prefill leaves), and with the context rolled."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        hs = hf.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in model.shape.target_layer_ids], dim=-1)
+        n = len(prompt)
+        batch = {
+            "features": feats,
+            "context_positions": torch.arange(n).unsqueeze(0),
+            "bonus": torch.tensor([[bonus]]),
+            "query_positions": torch.arange(n, n + BLOCK_SIZE).unsqueeze(0),
+            "mask": torch.ones(1, BLOCK_SIZE, n + BLOCK_SIZE, dtype=torch.bool),
+        }
+        embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+        ours = train.drafter_logits(model, embed, head, batch)[0, 0]
+        # Non-vacuous: the context matters (a different prompt changes the draft).
+        batch["features"] = torch.roll(feats, 1, dims=1)
+        shifted = train.drafter_logits(model, embed, head, batch)[0, 0]
+    return ours, shifted
+
+
+@pytest.mark.parametrize("arch,draft_vocab", [("llama", None), ("qwen3", None), ("qwen3", 64)])
+def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypatch, arch,
+                                               draft_vocab):
+    """Draft logits served by ddtree == the torch drafter's; with a reduced draft
+    vocabulary, the draft tokens' logits at their target ids and -inf elsewhere."""
     from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
 
     target_dir = tiny_models.make_target(tmp_path / "target", arch=arch, kind="random",
                                          seed=11)
-    model = random_drafter(target_dir, seed=12)
+    model = random_drafter(target_dir, seed=12, draft_vocab_size=draft_vocab)
     model.export(tmp_path / "drafter", dtype=torch.float32)
 
     captured = []
@@ -69,37 +101,83 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
     served = captured[0].view(BLOCK_SIZE - 1, -1)  # first proposal: after the prefill
 
     # The same draft in torch: HF hidden states of the prompt as the context.
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    with torch.no_grad():
-        hs = hf.model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i + 1] for i in model.shape.target_layer_ids], dim=-1)
-        n = len(PROMPT)
-        batch = {
-            "features": feats,
-            "context_positions": torch.arange(n).unsqueeze(0),
-            "bonus": torch.tensor([[bonus]]),
-            "query_positions": torch.arange(n, n + BLOCK_SIZE).unsqueeze(0),
-            "mask": torch.ones(1, BLOCK_SIZE, n + BLOCK_SIZE, dtype=torch.bool),
-        }
-        ours = train.drafter_logits(model, hf.model.embed_tokens.weight, hf.lm_head.weight, batch)[0, 0]
+    ours, shifted = draft_logits_in_torch(model, target_dir, PROMPT, bonus)
+    if draft_vocab:
+        ids = model.draft_token_ids
+        outside = torch.ones(served.shape[-1], dtype=torch.bool)
+        outside[ids] = False
+        assert bool(torch.isneginf(served[:, outside]).all())
+        served = served[:, ids]
     assert served.shape == ours.shape
     err = (served - ours).abs().max().item()
     assert err < 2e-3 * ours.abs().max().item(), err
-    # Non-vacuous: the context matters (a different prompt changes the draft).
-    with torch.no_grad():
-        batch["features"] = torch.roll(feats, 1, dims=1)
-        shifted = train.drafter_logits(model, hf.model.embed_tokens.weight, hf.lm_head.weight, batch)[0, 0]
     assert (shifted - ours).abs().max().item() > 50 * err
 
 
-def test_export_load_round_trip(tmp_path):
+def test_dflash_chain_serves_a_reduced_vocabulary(tmp_path, vllm_patched, monkeypatch):
+    """vLLM's own DFlash (the chain) loads the same reduced-vocabulary checkpoint:
+    its first drafts are the torch drafter's argmax, mapped to target ids."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    target_dir = tiny_models.make_target(tmp_path / "target", arch="qwen3", kind="random",
+                                         seed=11)
+    model = random_drafter(target_dir, seed=13, draft_vocab_size=64)
+    model.export(tmp_path / "drafter", dtype=torch.float32)
+    captured = []
+    orig = DFlashProposer._greedy_sample
+
+    def record(self, hidden_states):
+        out = orig(self, hidden_states)
+        captured.append(out.detach().clone())
+        return out
+
+    monkeypatch.setattr(DFlashProposer, "_greedy_sample", record)
+    llm = vllm.LLM(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=256,
+                   speculative_config={"method": "dflash", "model": str(tmp_path / "drafter"),
+                                       "num_speculative_tokens": BLOCK_SIZE - 1})
+    out = llm.generate([{"prompt_token_ids": PROMPT}],
+                       vllm.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    del llm
+    ours, _ = draft_logits_in_torch(model, target_dir, PROMPT, out[0].outputs[0].token_ids[0])
+    want = model.to_target_ids(ours.argmax(-1))
+    assert captured[0].flatten().tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 48])
+def test_export_load_round_trip(tmp_path, draft_vocab):
     target_dir = tiny_models.make_target(tmp_path / "target", arch="llama", seed=3)
-    model = random_drafter(target_dir, seed=4)
+    model = random_drafter(target_dir, seed=4, draft_vocab_size=draft_vocab)
     model.export(tmp_path / "d", dtype=torch.float32)
     again = DFlashDrafter.load(tmp_path / "d")
     assert again.shape == model.shape
+    assert model.state_dict().keys() == again.state_dict().keys()
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_draft_vocabulary_and_labels():
+    """The most frequent continuation tokens (prompt tokens not counted); labels
+    outside the draft vocabulary are not trained on, and ids map back."""
+    index = FeatureIndex([0], 2, offsets=[0, 6], lengths=[6, 5], prompt_lengths=[3, 2],
+                         ids=[0, 1])
+    #                  prompt | continuation      prompt | continuation
+    tokens = np.array([9, 9, 9, 4, 7, 4, 9, 9, 2, 7, 4], dtype=np.int32)
+    counts = train.continuation_counts(index, tokens, [0, 1], vocab_size=10)
+    assert counts.tolist() == [0, 0, 1, 0, 3, 0, 0, 2, 0, 0]
+    assert train.choose_draft_vocab(counts, 2).tolist() == [4, 7]
+    assert train.choose_draft_vocab(counts, 4).tolist() == [0, 2, 4, 7]  # ties: low ids
+    shape = DrafterShape(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                         intermediate_size=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                         target_layer_ids=(0,), mask_token_id=1, block_size=4, vocab_size=10,
+                         max_position_embeddings=64, draft_vocab_size=3)
+    model = DFlashDrafter(shape)
+    model.set_draft_token_ids(torch.tensor([7, 2, 4]))
+    labels = torch.tensor([[2, 4, 5, 7, -100]])
+    assert model.to_output_labels(labels).tolist() == [[0, 1, -100, 2, -100]]
+    assert model.to_target_ids(torch.tensor([2, 0, 1])).tolist() == [7, 2, 4]
+    with pytest.raises(ValueError, match="distinct"):
+        model.set_draft_token_ids(torch.tensor([7, 7, 4]))
 
 
 def test_make_batch_masks_and_labels():
@@ -123,3 +201,46 @@ def test_make_batch_masks_and_labels():
             assert own[:, a * 4:(a + 1) * 4].all() and own.sum() == 16
             want = [int(tokens[off + p + j]) if p + j < n else -100 for j in range(1, 4)]
             assert labels[s, a].tolist() == want
+
+
+def test_training_pipeline_with_a_draft_vocabulary(tmp_path):
+    """generate pack -> features -> train (resumed) -> export with a reduced vocabulary:
+    the draft tokens are the continuations' most frequent ones, kept across a resume,
+    and the exported checkpoint loads with them."""
+    import json
+
+    from vllm_ddtree.drafter import data
+
+    target_dir = tiny_models.make_target(tmp_path / "target", arch="qwen3", kind="random",
+                                         seed=5)
+    rng = np.random.default_rng(0)
+    common = list(range(30, 38))  # every continuation token; prompts use others too
+    rows = [{"id": i, "source": "sharegpt", "temperature": 0.0,
+             "prompt_ids": rng.integers(20, 300, size=6).tolist(),
+             "output_ids": rng.choice(common, size=20).tolist()} for i in range(12)]
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / data.GENERATIONS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pack = tmp_path / "pack" / "generations.jsonl.gz"
+    assert data.save_generations_pack(made, pack) == 12
+    work = tmp_path / "work"
+    assert data.restore_generations(work, pack) == 12
+    assert data.restore_generations(work, pack) == 0  # nothing twice
+    assert data._read_jsonl(work / data.GENERATIONS) == rows
+
+    data.extract_features(work, target_dir, [0, 2])
+    config = train.TrainConfig(
+        target_layer_ids=[0, 2], num_layers=1, block_size=4,
+        mask_token_id=tiny_models.MASK_TOKEN_ID, steps=2, seqs_per_step=2, anchors_per_seq=2,
+        lr=1e-3, loss_decay=7.0, ckpt_every=1, eval_every=2, seed=0, warmup=1,
+        val_every_nth_seq=4, autocast="none", draft_vocab_size=len(common))
+    train.train(work, target_dir, config)
+    config.steps = 3  # resumes from step 2's checkpoint
+    train.train(work, target_dir, config)
+    out = train.export_latest(work, target_dir, config, tmp_path / "export")
+    model = DFlashDrafter.load(out)
+    assert model.shape.draft_vocab_size == len(common)
+    assert model.draft_token_ids.tolist() == common
+    report = (out / "TRAINING.md").read_text()
+    assert "covering 100.00% of the held-out continuation tokens" in report
+    assert "Steps done: 3 of 3" in report

@@ -21,6 +21,9 @@ from vllm_ddtree import assets
 
 DEFAULT_WORKDIR = assets.cache_root() / "drafter-work"
 DEFAULT_EXPORT = Path(__file__).resolve().parent / "smollm2_135m"
+# The target's continuations, kept in the repository (token ids, gzip): the costly
+# stage, so that generation goes on across machines and sessions.
+DEFAULT_PACK = Path(__file__).resolve().parent / "generations" / "smollm2_135m.jsonl.gz"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,8 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=["generate", "features", "train", "export", "all"])
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--export-dir", type=Path, default=DEFAULT_EXPORT)
-    p.add_argument("--num-sharegpt", type=int, default=3000)
-    p.add_argument("--num-code", type=int, default=1000)
+    p.add_argument("--pack", type=Path, default=DEFAULT_PACK,
+                   help="generations kept across work directories (read before, "
+                        "rewritten during generation)")
+    p.add_argument("--num-sharegpt", type=int, default=10000)
+    p.add_argument("--num-code", type=int, default=3000)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 9, 18, 27])
     p.add_argument("--num-layers", type=int, default=3)
@@ -48,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sequence i is held out for evaluation when i %% N == 0")
     p.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
                    help="forward precision (fp32 master weights either way)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="0: the target's LM head over its whole vocabulary; N: the "
+                        "drafter's own head over the N most frequent continuation tokens")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -67,9 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     target = assets.smollm2_target()
     stages = ["generate", "features", "train", "export"] if args.stage == "all" else [args.stage]
     if "generate" in stages:
+        data.restore_generations(args.workdir, args.pack)
         prompts = data.training_prompts(args.num_sharegpt, args.num_code, args.seed)
         data.generate_continuations(args.workdir, target, prompts,
-                                    max_new_tokens=args.max_new_tokens)
+                                    max_new_tokens=args.max_new_tokens, pack=args.pack)
     if "features" in stages:
         data.extract_features(args.workdir, target, args.target_layer_ids)
     if "train" in stages or "export" in stages:

@@ -19,6 +19,7 @@ dataset (arXiv 2602.06036, section 4).
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 import os
 import random
@@ -79,15 +80,27 @@ def stdlib_code_prompts(n: int, seed: int) -> list[str]:
     return [assets.HUMANEVAL_INSTRUCTION.format(prompt=s) for s in stubs[:n]]
 
 
+# Prompt ids: CODE_ID_BASE + k is the k-th code prompt, k the k-th ShareGPT one.
+CODE_ID_BASE = 1_000_000
+
+
 def training_prompts(num_sharegpt: int, num_code: int, seed: int = 0) -> list[TrainingPrompt]:
-    """The drafter's training messages, deterministic for a seed."""
+    """The drafter's training messages, deterministic for a seed.
+
+    Prefix-stable: asking for more prompts keeps every earlier prompt under its
+    id (each source is shuffled once, whole, and cut), so generations made for a
+    smaller set stay valid. The two sources are interleaved in proportion.
+    """
     sharegpt = assets.load_raw_prompts("sharegpt", split="train")
-    rng = random.Random(seed)
-    picked = rng.sample(sharegpt, min(num_sharegpt, len(sharegpt)))
+    random.Random(seed).shuffle(sharegpt)
+    sharegpt = sharegpt[:num_sharegpt]
     code = stdlib_code_prompts(num_code, seed)
-    messages = [("sharegpt", m) for m in picked] + [("stdlib", m) for m in code]
-    rng.shuffle(messages)
-    return [TrainingPrompt(i, src, m) for i, (src, m) in enumerate(messages)]
+    prompts = [TrainingPrompt(k, "sharegpt", m) for k, m in enumerate(sharegpt)]
+    prompts += [TrainingPrompt(CODE_ID_BASE + k, "stdlib", m) for k, m in enumerate(code)]
+    # Interleaved by the fraction of their source done, ShareGPT first on ties.
+    return sorted(prompts, key=lambda p: (
+        (p.id - CODE_ID_BASE) / len(code) if p.source == "stdlib" else p.id / len(sharegpt),
+        p.source != "sharegpt"))
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -102,6 +115,33 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def save_generations_pack(workdir: Path, pack: Path) -> int:
+    """Writes the complete rows of ``generations.jsonl`` to ``pack`` (gzip, atomic),
+    so a later session can go on from them (:func:`restore_generations`)."""
+    rows = _read_jsonl(workdir / GENERATIONS)
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pack.with_name(pack.name + ".tmp")
+    # mtime=0: the same rows give the same bytes (no spurious git changes).
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    os.replace(tmp, pack)
+    return len(rows)
+
+
+def restore_generations(workdir: Path, pack: Path) -> int:
+    """Adds the rows of ``pack`` that ``generations.jsonl`` lacks (by prompt id)."""
+    if not pack.is_file():
+        return 0
+    out_path = workdir / GENERATIONS
+    rows = _read_jsonl(out_path)
+    done = {r["id"] for r in rows}
+    with gzip.open(pack, "rt") as f:
+        new = [r for r in map(json.loads, f) if r["id"] not in done]
+    workdir.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("".join(json.dumps(r) + "\n" for r in rows + new))
+    return len(new)
+
+
 def generate_continuations(
     workdir: Path,
     target_dir: str,
@@ -112,12 +152,14 @@ def generate_continuations(
     sampled_every: int = 4,
     chunk: int = 128,
     dtype: str = "bfloat16",
+    pack: Path | None = None,
 ) -> Path:
     """Appends the target's continuation of every prompt to ``generations.jsonl``.
 
     Greedy, except every ``sampled_every``-th prompt which is sampled at T=1
     (the drafter then also sees the target's sampled style).
-    Resumes after the last complete line.
+    Resumes after the last complete line; with ``pack``, rewrites it after every
+    chunk (:func:`save_generations_pack`).
     """
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
@@ -166,6 +208,8 @@ def generate_continuations(
                     row.update(prompt_ids=ids, output_ids=list(out.token_ids),
                                temperature=temperature(p))
                 f.write(json.dumps(row) + "\n")
+        if pack is not None:
+            save_generations_pack(workdir, pack)
         bar.update(len(batch))
     bar.close()
     del llm

@@ -11,13 +11,19 @@ vLLM 0.32's ``DFlashQwen3ForCausalLM`` (``model_executor/models/qwen3_dflash.py`
   runs through Qwen3 decoder layers (pre-norm, per-head q/k RMSNorm, neox RoPE),
   attending non-causally to the context before ``p`` and to the whole block;
 * ``norm`` then the target's (shared) LM head; mask position ``j`` predicts token
-  ``p + j``.
+  ``p + j``. With a reduced draft vocabulary (``draft_vocab_size``, as EAGLE-3) the
+  drafter has its own LM head over ``Vd`` tokens, and ``d2t`` maps draft id ``d``
+  to target id ``d + d2t[d]``; vLLM scatters those logits into the target vocabulary
+  (-inf elsewhere), so the trees are drawn from the draft tokens only (verification
+  is unchanged: lossless whatever the drafter proposes).
 
 Checkpoint format (what vLLM loads): ``config.json`` with
 ``architectures = ["DFlashDraftModel"]``, ``model_type = "qwen3"`` and
 ``dflash_config = {mask_token_id, target_layer_ids}``; ``model.safetensors`` with the
 names below and no embeddings or LM head (shared with the target);
-``mask_embedding.pt`` with the trained embedding of the mask slot.
+``mask_embedding.pt`` with the trained embedding of the mask slot. A reduced
+vocabulary adds ``draft_vocab_size`` to the config and ``lm_head.weight`` [Vd, H]
+and ``d2t`` [Vd] to the safetensors (the token embeddings stay the target's).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class DrafterShape:
     block_size: int
     vocab_size: int
     max_position_embeddings: int
+    # None: the target's LM head over its whole vocabulary (shared, not exported).
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_target(
@@ -57,6 +65,7 @@ class DrafterShape:
         target_layer_ids,
         mask_token_id: int,
         block_size: int,
+        draft_vocab_size: int | None = None,
     ) -> DrafterShape:
         rope = getattr(target_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))
@@ -75,6 +84,7 @@ class DrafterShape:
             block_size=block_size,
             vocab_size=target_config.vocab_size,
             max_position_embeddings=target_config.max_position_embeddings,
+            draft_vocab_size=draft_vocab_size or None,
         )
 
     def hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -82,8 +92,8 @@ class DrafterShape:
 
         ``block_size`` is stored at the top level (vLLM 0.32 reads neither copy;
         the ddtree adapter derives its default draft length from it) and in
-        ``dflash_config`` (newer z-lab schema). No embeddings or LM head: vLLM
-        shares the target's.
+        ``dflash_config`` (newer z-lab schema). No embeddings; no LM head either
+        (vLLM shares the target's) unless the vocabulary is reduced.
         """
         return {
             "architectures": ["DFlashDraftModel"],
@@ -104,6 +114,11 @@ class DrafterShape:
             "attention_bias": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
             "block_size": self.block_size,
+            **(
+                {"draft_vocab_size": self.draft_vocab_size}
+                if self.draft_vocab_size
+                else {}
+            ),
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
@@ -177,15 +192,28 @@ class DFlashDrafter(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(h))
         self.mask_embedding = nn.Parameter(torch.zeros(h))
+        if shape.draft_vocab_size:
+            self.lm_head = nn.Linear(h, shape.draft_vocab_size, bias=False)
+            # Target id of each draft id (ascending); set by init_from_target or load.
+            draft_ids = torch.arange(shape.draft_vocab_size, dtype=torch.int64)
+            self.register_buffer("draft_token_ids", draft_ids)
+
+    @property
+    def has_own_lm_head(self) -> bool:
+        return self.shape.draft_vocab_size is not None
 
     # ----------------------------------------------------------------------- #
-    def init_from_target(self, target: nn.Module) -> None:
+    def init_from_target(
+        self, target: nn.Module, draft_token_ids: torch.Tensor | None = None
+    ) -> None:
         """Warm start: drafter layer i <- the target's last layers, ``fc`` <- last tap.
 
         The target (Llama) layers have the same projections; Qwen3's q/k norms start
         at 1. ``fc`` starts as the identity on the deepest tap, so the context keys
         first look like the residual stream those layers were trained on. The mask
-        embedding starts at the mean token embedding.
+        embedding starts at the mean token embedding. A reduced vocabulary needs
+        ``draft_token_ids`` ([Vd] distinct target ids); its LM head starts as the
+        target's rows of those tokens.
         """
         s = self.shape
         t_layers = target.model.layers
@@ -208,6 +236,42 @@ class DFlashDrafter(nn.Module):
         self.fc.weight.data[:, -h:] = torch.eye(h)
         self.norm.weight.data.copy_(target.model.norm.weight)
         self.mask_embedding.data.copy_(target.model.embed_tokens.weight.mean(0))
+        if self.has_own_lm_head:
+            if draft_token_ids is None:
+                raise ValueError("a reduced draft vocabulary needs draft_token_ids")
+            self.set_draft_token_ids(draft_token_ids)
+            head = target.get_output_embeddings().weight
+            self.lm_head.weight.data.copy_(head[self.draft_token_ids])
+
+    def to_target_ids(self, output_ids: torch.Tensor) -> torch.Tensor:
+        """Ids over the LM head's outputs -> target token ids."""
+        return self.draft_token_ids[output_ids] if self.has_own_lm_head else output_ids
+
+    def to_output_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target-id labels (-100: none) -> LM-head output ids; a token outside the
+        draft vocabulary becomes -100 (no draft can be right there)."""
+        if not self.has_own_lm_head:
+            return labels
+        ids = self.draft_token_ids
+        t2d = torch.full(
+            (self.shape.vocab_size,), -100, dtype=torch.int64, device=ids.device
+        )
+        t2d[ids] = torch.arange(ids.numel(), device=ids.device)
+        return torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels)
+
+    def set_draft_token_ids(self, draft_token_ids: torch.Tensor) -> None:
+        ids = torch.as_tensor(draft_token_ids, dtype=torch.int64).flatten()
+        v = self.shape.vocab_size
+        if (
+            ids.numel() != self.shape.draft_vocab_size
+            or bool((ids < 0).any() | (ids >= v).any())
+            or ids.unique().numel() != ids.numel()
+        ):
+            raise ValueError(
+                f"draft_token_ids must be {self.shape.draft_vocab_size} distinct ids "
+                f"in [0, {v})"
+            )
+        self.draft_token_ids.copy_(ids.sort().values)
 
     # ----------------------------------------------------------------------- #
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
@@ -304,6 +368,10 @@ class DFlashDrafter(nn.Module):
             for name, p in self.named_parameters()
             if name != "mask_embedding"
         }
+        if self.has_own_lm_head:
+            # vLLM's convention (EAGLE-3): target id = draft id + d2t[draft id].
+            ids = self.draft_token_ids
+            tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()
         save_file(
             tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"}
         )
@@ -342,11 +410,15 @@ class DFlashDrafter(nn.Module):
             block_size=d.get("block_size", cfg.get("block_size", 16)),
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg["max_position_embeddings"],
+            draft_vocab_size=cfg.get("draft_vocab_size"),
         )
         model = cls(shape)
+        state = load_file(str(Path(ckpt_dir) / "model.safetensors"))
+        d2t = state.pop("d2t", None)
+        if d2t is not None:
+            state["draft_token_ids"] = d2t + torch.arange(d2t.numel())
         state = {
-            k: v.float()
-            for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()
+            k: v if k == "draft_token_ids" else v.float() for k, v in state.items()
         }
         mask = torch.load(Path(ckpt_dir) / "mask_embedding.pt", weights_only=True)
         state["mask_embedding"] = mask["embedding"].float()
