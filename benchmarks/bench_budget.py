@@ -56,7 +56,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import bench_real  # noqa: E402,F401  (sets the environment and sys.path first)
 from bench_real import (  # noqa: E402
-    DEFAULT_DRAFTER,
     REPO_ROOT,
     SECTIONS,
     StepTimers,
