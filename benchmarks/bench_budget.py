@@ -352,10 +352,13 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
             if c.get(key):
                 lines.append(f"| {label} | " + " | ".join(f"{1e3 * v:.1f}" for _, v in c[key])
                              + " |")
-        for label, key in (("full drafter pass", "full_drafter_cost_s"),
-                           ("context-only drafter pass", "context_drafter_cost_s")):
+        # The models' inputs (BudgetController.record_drafter): block rows
+        # (requests x (depth + 1)) for a full pass, requests for a context-only one.
+        for label, key in (("full drafter pass (ms) by block rows", "full_drafter_cost_s"),
+                           ("context-only drafter pass (ms) by requests",
+                            "context_drafter_cost_s")):
             if c.get(key):
-                lines.append(f"\n{label} (ms) by requests: " + ", ".join(
+                lines.append(f"\n{label}: " + ", ".join(
                     f"{int(k)}: {1e3 * v:.1f}" for k, v in c[key]))
         lines += ["", "Calibration factor by depth (1 = the drafter's path probability as is): "
                   f"{c['calibration_factors'][1:]}", ""]
