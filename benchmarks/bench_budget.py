@@ -327,7 +327,7 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
                 f"| {r['method']} | {r['tokens_per_s']:.2f} | "
                 + (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-")
                 + f" | {tau} | {r['mean_nodes_per_verified_request']:.2f} | {r['steps']} | "
-                + f"{1e3 * r['split_s']['target_forward'] / max(r['steps'], 1):.1f} | "
+                + f"{per_step(r, 'target_forward'):.1f} | "
                 + " | ".join(f"{100 * r['split_s'][s] / total:.1f}" for s in SECTIONS) + " |")
         auto = next((r for r in sel if r["method"] == AUTO), None)
         if auto is not None:
@@ -369,20 +369,21 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
     path.write_text("\n".join(lines) + "\n")
 
 
+def per_step(run: dict, section: str | None = None) -> float:
+    """Milliseconds per step of a run: its wall time, or one section of its split."""
+    total = run["wall_s"] if section is None else run["split_s"][section]
+    return 1e3 * total / max(run["steps"], 1)
+
+
 def per_step_profile(runs: list[dict]) -> list[str]:
     """Where auto's step time differs from nospec's (and the control's, the same
     code as nospec), ms per step by section: the profile behind every auto ratio."""
     by = {(r["method"], r["temperature"], r["batch"]): r for r in runs}
     rows = []
-    for (method, temp, batch), auto in sorted(by.items()):
+    for method, temp, batch in sorted(by):
         base = by.get(("nospec", temp, batch))
         if method != AUTO or base is None:
             continue
-
-        def per_step(r, key=None):
-            total = r["wall_s"] if key is None else r["split_s"][key]
-            return 1e3 * total / max(r["steps"], 1)
-
         for name in (AUTO, CONTROL):
             r = by.get((name, temp, batch))
             if r is None:
