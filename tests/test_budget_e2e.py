@@ -187,6 +187,60 @@ def test_skipped_drafter_steps_keep_its_context_complete(pairs, monkeypatch):
         torch.testing.assert_close(skip_logits[key], all_logits[key], rtol=0, atol=1e-3)
 
 
+def test_drafter_cost_samples_leave_out_context_flushes(pairs, monkeypatch):
+    """The first drafting pass after context-only steps also writes their queued
+    context K/V; that write is not a cost of drafting, so the full-pass samples
+    the budget learns from leave it out. Each flush is slowed by 0.2 s here (far
+    more than a tiny pass), so a sample that counted one would show it."""
+    import time
+
+    from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
+
+    delay = 0.2
+    flushes = {"slowed": 0}
+    samples = []
+    calls = {"n": 0}
+    flush = DDTreeProposer.flush_context
+    record = budget_control.BudgetController.record_drafter
+
+    def slow_flush(self):
+        store = self.model.precompute_and_store_context_kv
+
+        def slowed(*args, **kwargs):
+            flushes["slowed"] += 1
+            time.sleep(delay)
+            return store(*args, **kwargs)
+
+        self.model.precompute_and_store_context_kv = slowed
+        try:
+            flush(self)
+        finally:
+            del self.model.precompute_and_store_context_kv
+
+    def recording(self, full, num_reqs, seconds, depth=None):
+        samples.append((full, seconds))
+        return record(self, full, num_reqs, seconds, depth)
+
+    def draft_next(self, num_reqs):
+        calls["n"] += 1
+        if calls["n"] % 4 in (1, 2):  # runs of two context-only steps
+            self.num_skipped_steps += 1
+            return False
+        return True
+
+    monkeypatch.setattr(DDTreeProposer, "flush_context", slow_flush)
+    monkeypatch.setattr(budget_control.BudgetController, "record_drafter", recording)
+    monkeypatch.setattr(budget_control.BudgetController, "draft_next", draft_next)
+    target, drafter = pairs["noisy"]
+    generate(target, auto(drafter))
+    # Every flush precedes a full pass; a few first passes are slow anyway
+    # (first calls of each shape), so the check is on how many reach the delay.
+    full = [s for f, s in samples if f]
+    slow = [s for s in full if s >= delay]
+    assert flushes["slowed"] >= 6 and len(full) >= 12, (flushes, len(full))
+    assert len(slow) <= flushes["slowed"] // 3, (flushes, samples)
+
+
 def test_budget_key_is_validated():
     from vllm_ddtree.vllm_adapter.config import pop_ddtree_config
 

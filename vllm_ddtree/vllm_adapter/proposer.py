@@ -13,6 +13,8 @@ keeps is itself a valid tree; the structure stays in the worker
 
 from __future__ import annotations
 
+import time
+
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
@@ -47,6 +49,10 @@ class DDTreeProposer(DFlashProposer):
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred_rows = 0
         self.max_deferred_rows = 4096
+        # Host seconds spent in flush_context since the runner last reset it: the
+        # auto budget leaves them out of its pass-cost samples (a flush writes rows
+        # earlier steps queued; drafting or not, they are written).
+        self.flush_seconds = 0.0
         # Set by the runner before each pass: whether the step just run verified
         # any draft (else none of its rows was rejected).
         self.verified_drafts = True
@@ -176,6 +182,7 @@ class DDTreeProposer(DFlashProposer):
         """Writes the deferred context K/V (oldest first, one batch)."""
         if not self._deferred:
             return
+        started = time.perf_counter()
         hidden, positions, slots = (
             torch.cat(x) for x in zip(*self._deferred, strict=True)
         )
@@ -184,3 +191,4 @@ class DDTreeProposer(DFlashProposer):
         self.model.precompute_and_store_context_kv(
             self.model.combine_hidden_states(hidden), positions, slots
         )
+        self.flush_seconds += time.perf_counter() - started

@@ -301,6 +301,7 @@ class DDTreeRunnerMixin:
         if budget is not None:
             num_reqs = self.input_batch.num_reqs
             started = time.perf_counter()
+            self.drafter.flush_seconds = 0.0
             self.drafter.draft_this_step = budget.draft_next(num_reqs)
             self.drafter.draft_depth = budget.draft_depth
             step = self._ddtree_step
@@ -323,8 +324,12 @@ class DDTreeRunnerMixin:
                     common_attn_metadata.slot_mapping,
                 )
                 seconds = time.perf_counter() - started
-                budget.record_drafter(False, num_reqs, seconds)
+                # Out of the target step's time, but out of the pass-cost sample
+                # too: a flush (here, at max_deferred_rows) writes queued rows.
                 self._ddtree_drafter_seconds = seconds
+                budget.record_drafter(
+                    False, num_reqs, seconds - self.drafter.flush_seconds
+                )
                 return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
         draft = super().propose_draft_token_ids(
             scheduler_output,
@@ -352,10 +357,13 @@ class DDTreeRunnerMixin:
         if budget is not None:
             seconds = time.perf_counter() - started
             self._ddtree_drafter_seconds = seconds
+            # The first full pass after context-only steps also flushes their
+            # queued context K/V (up to max_deferred_rows rows): a cost of those
+            # steps, not of drafting, so the pass-cost sample leaves it out.
             budget.record_drafter(
                 self.drafter.draft_this_step,
                 self.input_batch.num_reqs,
-                seconds,
+                seconds - self.drafter.flush_seconds,
                 self.drafter.draft_depth,
             )
         self._ddtree_step = None
