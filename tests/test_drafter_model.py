@@ -71,8 +71,11 @@ def draft_logits_in_torch(model, target_dir, prompt, bonus):
 @pytest.mark.parametrize("arch,draft_vocab", [("llama", None), ("qwen3", None), ("qwen3", 64)])
 def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypatch, arch,
                                                draft_vocab):
-    """Draft logits served by ddtree == the torch drafter's; with a reduced draft
-    vocabulary, the draft tokens' logits at their target ids and -inf elsewhere."""
+    """Draft logits served by ddtree == the torch drafter's. With a reduced draft
+    vocabulary they are the Vd draft logits, and the served tree is the one built
+    from the target-vocabulary logits vLLM's compute_logits gives (-inf outside
+    the draft tokens), in target ids."""
+    from vllm_ddtree.tree import build_ddtree
     from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
 
     target_dir = tiny_models.make_target(tmp_path / "target", arch=arch, kind="random",
@@ -88,7 +91,16 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
         captured.append(self._draft_logits.detach().clone())
         return out
 
+    trees = []
+    propose = DDTreeProposer.propose
+
+    def record_tree(self, *args, **kwargs):
+        out = propose(self, *args, **kwargs)
+        trees.append(self.last_tree)
+        return out
+
     monkeypatch.setattr(DDTreeProposer, "_sample_draft_tokens", record)
+    monkeypatch.setattr(DDTreeProposer, "propose", record_tree)
     llm = vllm.LLM(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=256,
                    speculative_config={"method": "ddtree", "model": str(tmp_path / "drafter"),
                                        "num_speculative_tokens": 8,
@@ -103,11 +115,14 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
     # The same draft in torch: HF hidden states of the prompt as the context.
     ours, shifted = draft_logits_in_torch(model, target_dir, PROMPT, bonus)
     if draft_vocab:
-        ids = model.draft_token_ids
-        outside = torch.ones(served.shape[-1], dtype=torch.bool)
-        outside[ids] = False
-        assert bool(torch.isneginf(served[:, outside]).all())
-        served = served[:, ids]
+        full = served.new_full((served.shape[0], model.shape.vocab_size), float("-inf"))
+        full[:, model.draft_token_ids] = served
+        want = build_ddtree(full.unsqueeze(0), 8, root_token_ids=torch.tensor([bonus]),
+                            validate=False)  # -inf outside the draft tokens
+        tree = trees[0]
+        assert tree.tokens.tolist() == want.tokens.tolist()
+        assert tree.parents.tolist() == want.parents.tolist()
+        assert set(tree.tokens[0, 1:].tolist()) <= set(model.draft_token_ids.tolist())
     assert served.shape == ours.shape
     err = (served - ours).abs().max().item()
     assert err < 2e-3 * ours.abs().max().item(), err

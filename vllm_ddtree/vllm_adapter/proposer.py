@@ -13,6 +13,7 @@ keeps is itself a valid tree; the structure stays in the worker
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -63,13 +64,48 @@ class DDTreeProposer(DFlashProposer):
         if depth < self.draft_len:
             hidden = hidden_states.view(-1, self.draft_len, hidden_states.shape[-1])
             hidden_states = hidden[:, :depth].reshape(-1, hidden_states.shape[-1])
-        # [R * depth, V] full target-vocab logits.
-        self._draft_logits = self.model.compute_logits(hidden_states)
+        self._draft_logits = self._compute_draft_logits(hidden_states)
         # The chain the base class expects (unused: the trees are built in propose).
         num_rows = hidden_states.shape[0] // depth * self.draft_len
         return torch.zeros(
             num_rows, dtype=torch.int64, device=hidden_states.device
         ), None
+
+    def _compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, V'] draft logits: over the target vocabulary, or over the drafter's
+        own (``draft_vocab_size`` + ``d2t``, as EAGLE-3) when it has one.
+
+        vLLM's ``compute_logits`` scatters a reduced vocabulary's logits into the
+        target's (-inf elsewhere); the tree is the same either way (a -inf token
+        is never in it), so it is built over the Vd draft tokens, without the
+        [n, V] scatter and with top-k over Vd, and its tokens are mapped to
+        target ids (:meth:`_to_target_ids`).
+        """
+        if self._draft_to_target is None:
+            return self.model.compute_logits(hidden_states)  # [n, V]
+        return self.model.logits_processor(self.model.lm_head, hidden_states)
+
+    @functools.cached_property
+    def _draft_to_target(self) -> torch.Tensor | None:
+        """[Vd] target id of each draft id, or None (no reduced vocabulary).
+        Read on the first draft, after the drafter's weights are loaded."""
+        d2t = getattr(self.model, "draft_id_to_target_id", None)
+        if d2t is None:
+            return None
+        return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+    def _to_target_ids(self, tree: DraftTree) -> DraftTree:
+        """The tree's node tokens as target ids (the root, a target id already,
+        and padding rows, parent -1 and token 0, kept as they are)."""
+        if self._draft_to_target is None:
+            return tree
+        nodes = tree.tokens[:, 1:]  # [R, N] draft ids (padding: 0)
+        mapped = self._draft_to_target[nodes]
+        tree.tokens = torch.cat(
+            [tree.tokens[:, :1], torch.where(tree.parents[:, 1:] >= 0, mapped, nodes)],
+            dim=1,
+        )
+        return tree
 
     def propose(self, num_speculative_tokens: int, **kwargs) -> torch.Tensor:
         """Returns [R, B] draft node tokens (tree rows 1..B; padding rows are 0)."""
@@ -83,12 +119,14 @@ class DDTreeProposer(DFlashProposer):
         logits = self._draft_logits
         assert logits is not None, "the DFlash pass produced no draft logits"
         num_reqs = next_token_ids.shape[0]
-        self.last_tree = build_ddtree(
-            logits.view(num_reqs, self.draft_depth, -1),
-            self.ddtree.budget,
-            root_token_ids=next_token_ids,
-            max_children=self.ddtree.max_children,
-            validate=False,
+        self.last_tree = self._to_target_ids(
+            build_ddtree(
+                logits.view(num_reqs, self.draft_depth, -1),
+                self.ddtree.budget,
+                root_token_ids=next_token_ids,
+                max_children=self.ddtree.max_children,
+                validate=False,
+            )
         )
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
