@@ -274,7 +274,10 @@ def extract_features(
         index = FeatureIndex(list(target_layer_ids), hidden, [], [], [], [])
     width = hidden * len(target_layer_ids)
     done = set(index.ids)
-    todo = [r for r in rows if r["id"] not in done]
+    # Shortest first: neighbours have similar lengths, so the padded batches below
+    # hold almost no padding (generation order padded 57% extra on 11k sequences).
+    todo = sorted((r for r in rows if r["id"] not in done),
+                  key=lambda r: len(r["prompt_ids"]) + len(r["output_ids"]))
     # Truncate files to what the index covers (an interrupted append leaves a tail).
     n = index.num_tokens
     for name, row_bytes in ((FEATURES, width * 2), (TOKENS, 4)):
