@@ -58,6 +58,7 @@ import bench_real  # noqa: E402,F401  (sets the environment and sys.path first)
 from bench_real import (  # noqa: E402
     REPO_ROOT,
     SECTIONS,
+    SpecCounter,
     StepTimers,
     acceptance,
     add_workload_args,
@@ -141,35 +142,6 @@ def controller_state(controller) -> dict:
             "full_drafter_cost_s": curve(controller.full_drafter_cost),
             "context_drafter_cost_s": curve(controller.context_drafter_cost),
             "calibration_factors": [round(f, 4) for f in controller.calibration.factors().tolist()]}
-
-
-class SpecCounter:
-    """vLLM's spec-decode counts of one engine, read where the scheduler makes
-    them (its Prometheus metrics live in one registry that the last engine
-    created takes over, so they cannot tell engines apart)."""
-
-    def __init__(self, scheduler, max_pos: int) -> None:
-        self.counts = {"drafts": 0, "accepted": 0, "draft_tokens": 0,
-                       "per_pos": [0] * max_pos}
-        make = scheduler.make_spec_decoding_stats
-
-        def counted(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
-                    num_invalid_spec_tokens, request_id):
-            invalid = num_invalid_spec_tokens
-            if num_draft_tokens:
-                n = num_draft_tokens - (invalid or {}).get(request_id, 0)
-                self.counts["drafts"] += 1
-                self.counts["draft_tokens"] += n
-                self.counts["accepted"] += num_accepted_tokens
-                for k in range(min(num_accepted_tokens, max_pos)):
-                    self.counts["per_pos"][k] += 1
-            return make(spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
-                        num_invalid_spec_tokens, request_id)
-
-        scheduler.make_spec_decoding_stats = counted
-
-    def snapshot(self) -> dict:
-        return {k: list(v) if isinstance(v, list) else v for k, v in self.counts.items()}
 
 
 class Engine:
