@@ -259,3 +259,25 @@ def test_training_pipeline_with_a_draft_vocabulary(tmp_path):
     report = (out / "TRAINING.md").read_text()
     assert "covering 100.00% of the held-out continuation tokens" in report
     assert "Steps done: 3 of 3" in report
+
+
+def test_learning_rate_schedules():
+    """Cosine ends at min_lr_ratio * lr; WSD holds lr until its last decay_steps,
+    then falls linearly to the same floor, so extending ``steps`` on resume only
+    moves the decay."""
+    base = dict(target_layer_ids=[0], num_layers=1, block_size=4, mask_token_id=1,
+                seqs_per_step=1, anchors_per_seq=1, lr=1e-3, loss_decay=7.0, ckpt_every=1,
+                eval_every=1, seed=0, warmup=10, min_lr_ratio=0.1)
+    cosine = train.TrainConfig(steps=100, **base)
+    assert cosine.lr_at(0) == pytest.approx(1e-4)
+    assert cosine.lr_at(55) == pytest.approx(0.55e-3, rel=1e-6)  # halfway
+    assert cosine.lr_at(100) == pytest.approx(1e-4)
+    wsd = train.TrainConfig(steps=100, lr_schedule="wsd", decay_steps=20, **base)
+    assert wsd.lr_at(9) == pytest.approx(1e-3)
+    assert wsd.lr_at(79) == pytest.approx(1e-3)
+    assert wsd.lr_at(90) == pytest.approx(0.55e-3)
+    assert wsd.lr_at(100) == pytest.approx(1e-4)
+    longer = train.TrainConfig(steps=200, lr_schedule="wsd", decay_steps=20, **base)
+    assert [longer.lr_at(s) for s in range(80)] == [wsd.lr_at(s) for s in range(80)]
+    with pytest.raises(ValueError, match="lr_schedule"):
+        train.TrainConfig(steps=100, lr_schedule="linear", **base).lr_at(50)

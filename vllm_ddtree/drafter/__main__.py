@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="0: the target's LM head over its whole vocabulary; N: the "
                         "drafter's own head over the N most frequent continuation tokens")
+    p.add_argument("--lr-schedule", choices=["cosine", "wsd"], default="cosine",
+                   help="wsd: warmup, constant, linear decay over the last --decay-steps "
+                        "(extendable across sessions by a larger --steps)")
+    p.add_argument("--decay-steps", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--seed", type=int, default=0)
     return p

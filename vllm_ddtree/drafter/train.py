@@ -61,6 +61,12 @@ class TrainConfig:
     # drafter's own LM head over the N most frequent continuation tokens of the
     # training sequences (started from the target's rows; trained).
     draft_vocab_size: int = 0
+    # "cosine": warmup, then cosine to min_lr_ratio * lr at ``steps``. "wsd":
+    # warmup, constant, then linear to min_lr_ratio * lr over the last
+    # ``decay_steps``: a run can be extended across sessions (a larger ``steps``
+    # on resume) without its schedule changing behind it.
+    lr_schedule: str = "cosine"
+    decay_steps: int = 0
 
     @classmethod
     def from_args(cls, args) -> TrainConfig:
@@ -70,14 +76,24 @@ class TrainConfig:
             seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
             loss_decay=args.loss_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
             seed=args.seed, val_every_nth_seq=args.val_every_nth_seq, autocast=args.autocast,
-            draft_vocab_size=args.draft_vocab_size)
+            draft_vocab_size=args.draft_vocab_size, lr_schedule=args.lr_schedule,
+            decay_steps=args.decay_steps)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
+        low = self.min_lr_ratio
+        if self.lr_schedule == "wsd":
+            start = self.steps - self.decay_steps
+            if step < start:
+                return self.lr
+            t = (step - start) / max(1, self.decay_steps)
+            return self.lr * (1 - (1 - low) * min(1.0, t))
+        if self.lr_schedule != "cosine":
+            raise ValueError(f"lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
         cos = 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cos)
+        return self.lr * (low + (1 - low) * cos)
 
 
 class TargetHead:
