@@ -272,7 +272,9 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
     head = TargetHead(target_dir, device)
     model = _new_model(head.config, config)
     n = len(index.ids)
-    val_ids = [i for i in range(n) if i % config.val_every_nth_seq == 0][:64]
+    held_out = [i for i in range(n) if i % config.val_every_nth_seq == 0]
+    # 64 of them, evenly spread: the index is in length order (data.extract_features).
+    val_ids = held_out[::max(1, len(held_out) // 64)][:64]
     train_ids = [i for i in range(n) if i % config.val_every_nth_seq != 0]
     opt_params = [p for p in model.parameters()]
     ckpts = _checkpoints(workdir)
@@ -417,7 +419,8 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
         f"Steps done: {losses[-1]['step'] if losses else 0} of {config.steps}; "
         f"{sum(r['predictions'] for r in losses):,} block-position predictions.",
         "",
-        f"## Held-out curve (sequences i % {config.val_every_nth_seq} == 0, first 64)",
+        f"## Held-out curve (64 of the sequences i % {config.val_every_nth_seq} == 0, "
+        "evenly spread over the length-ordered index)",
         "",
         "| step | train loss (mean of last 50) | "
         + "".join(f"acc pos {k} | " for k in shown)
