@@ -280,4 +280,6 @@ def test_learning_rate_schedules():
     longer = train.TrainConfig(steps=200, lr_schedule="wsd", decay_steps=20, **base)
     assert [longer.lr_at(s) for s in range(80)] == [wsd.lr_at(s) for s in range(80)]
     with pytest.raises(ValueError, match="lr_schedule"):
-        train.TrainConfig(steps=100, lr_schedule="linear", **base).lr_at(50)
+        train.TrainConfig(steps=100, lr_schedule="linear", **base)
+    with pytest.raises(ValueError, match="decay_steps"):  # would never decay
+        train.TrainConfig(steps=100, lr_schedule="wsd", **base)

@@ -68,6 +68,13 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     decay_steps: int = 0
 
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in ("cosine", "wsd"):
+            raise ValueError(f"lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
+        if self.lr_schedule == "wsd" and not 0 < self.decay_steps <= self.steps:
+            raise ValueError(f"wsd needs 0 < decay_steps <= steps, got decay_steps "
+                             f"{self.decay_steps}, steps {self.steps}")
+
     @classmethod
     def from_args(cls, args) -> TrainConfig:
         return cls(
@@ -89,8 +96,6 @@ class TrainConfig:
                 return self.lr
             t = (step - start) / max(1, self.decay_steps)
             return self.lr * (1 - (1 - low) * min(1.0, t))
-        if self.lr_schedule != "cosine":
-            raise ValueError(f"lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
         cos = 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
         return self.lr * (low + (1 - low) * cos)
