@@ -22,6 +22,7 @@ the files' sha256 in ``patches/base-files.sha256``.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import inspect
 import json
@@ -76,6 +77,7 @@ TEST_FILES = {
     "tests/test_verify.py": f"{TESTS}/test_verify.py",
     "tests/test_commit.py": f"{TESTS}/test_commit.py",
     "tests/test_e2e_cpu.py": f"{TESTS}/test_e2e.py",
+    "tests/test_e2e_config.py": f"{TESTS}/test_config.py",
 }
 DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
 
@@ -170,18 +172,6 @@ def bugfix_edits(tree: Path) -> None:
 HOOK_SITES = [
     # (file, import anchor line, decorated definition, decorator)
     (
-        "vllm/engine/arg_utils.py",
-        "from vllm.v1.sample.logits_processor import LogitsProcessor",
-        "    def create_speculative_config(\n",
-        "speculative_config_hook",
-    ),
-    (
-        "vllm/config/vllm.py",
-        "from .weight_transfer import WeightTransferConfig",
-        "    def _get_v2_model_runner_unsupported_features(self) -> list[str]:\n",
-        "v2_runner_unsupported_hook",
-    ),
-    (
         "vllm/v1/worker/gpu_model_runner.py",
         "from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer",
         "    @JitWarmupRegistry.capture\n    def __init__(\n",
@@ -223,8 +213,220 @@ def hook_edits(tree: Path) -> None:
         file.write_text(text)
 
 
+def ddtree_field_block() -> str:
+    """The ``ddtree_*`` fields of ``SpeculativeConfig``, made from
+    :class:`DDTreeConfig` (one source of truth: types, defaults, docstrings)."""
+    from vllm_ddtree.vllm_adapter import config
+
+    source = Path(inspect.getsourcefile(config)).read_text()
+    body = next(
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and node.name == "DDTreeConfig"
+    ).body
+    fields = {}
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and node.value is not None:
+            doc = None
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                doc = after.value.value
+            fields[node.target.id] = (
+                ast.get_source_segment(source, node.annotation),
+                ast.get_source_segment(source, node.value),
+                doc,
+            )
+    lines = [
+        "    # DDTree (method='ddtree', https://arxiv.org/abs/2604.12989): a DFlash",
+        "    # drafter's block distributions become a draft tree of",
+        "    # num_speculative_tokens nodes (the node budget B), verified in one",
+        "    # target forward pass. Read together through `ddtree`.",
+    ]
+    for key, name in config.DDTREE_KEYS.items():
+        annotation, default, doc = fields[name]
+        lines.append(f"    {key}: {annotation} = {default}")
+        if doc:
+            lines.append(f'    """{rewrite_names(doc, "DDTreeConfig")}"""')
+    return "\n".join(lines) + "\n\n"
+
+
+SPECULATIVE_METHODS = """\
+    def use_dflash(self) -> bool:
+        # DDTree drafts with a DFlash drafter: every DFlash path applies to it.
+        return self.method in ("dflash", "ddtree")
+
+    def use_ddtree(self) -> bool:
+        return self.method == "ddtree"
+
+    @property
+    def ddtree(self) -> "DDTreeConfig | None":
+        \"\"\"The DDTree options (the `ddtree_*` fields) as one validated object;
+        None unless method='ddtree'.\"\"\"
+        if not self.use_ddtree():
+            return None
+        from vllm.v1.spec_decode.ddtree.config import DDTreeConfig
+
+        return DDTreeConfig.from_speculative_config(self)
+"""
+
+# (file, old, new, count): "ddtree" as a value of SpeculativeConfig.method.
+CONFIG_EDITS = [
+    (
+        "vllm/config/speculative.py",
+        'DSparkModelTypes = Literal["dspark"]\n',
+        'DSparkModelTypes = Literal["dspark"]\nDDTreeModelTypes = Literal["ddtree"]\n',
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        "    DSparkModelTypes,\n]\n",
+        "    DSparkModelTypes,\n    DDTreeModelTypes,\n]\n",
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        "if TYPE_CHECKING:\n",
+        "if TYPE_CHECKING:\n    from vllm.v1.spec_decode.ddtree.config import DDTreeConfig\n",
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        '            "dflash",\n            "dspark",\n        )\n'
+        "        factors.append(uses_aux_hidden_states)\n"
+        '        if self.method == "dspark":\n'
+        "            factors.append(self.enable_adaptive_verification)\n",
+        '            "dflash",\n            "dspark",\n            "ddtree",\n        )\n'
+        "        factors.append(uses_aux_hidden_states)\n"
+        '        if self.method == "dspark":\n'
+        "            factors.append(self.enable_adaptive_verification)\n"
+        "        if self.use_ddtree():\n"
+        "            factors.append(self.ddtree)\n",
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        'if self.method in ("eagle", "eagle3", "dflash", "dspark"):\n'
+        "                    pass\n",
+        'if self.method in ("eagle", "eagle3", "dflash", "dspark", "ddtree"):\n'
+        "                    pass\n",
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        'if self.method in ("eagle", "eagle3", "dflash"):\n'
+        "                    from vllm.transformers_utils.configs.eagle import",
+        'if self.method in ("eagle", "eagle3", "dflash", "ddtree"):\n'
+        "                    from vllm.transformers_utils.configs.eagle import",
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        "                            method=self.method,\n"
+        '                            model_type="eagle",\n',
+        "                            # A DDTree drafter is a DFlash drafter.\n"
+        '                            method="dflash" if self.use_ddtree() else self.method,\n'
+        '                            model_type="eagle",\n',
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        'if self.method in ("dflash", "dspark"):\n'
+        "                    self.parallel_drafting = True\n",
+        'if self.method in ("dflash", "dspark", "ddtree"):\n'
+        "                    self.parallel_drafting = True\n",
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        'return self.method in ("eagle", "eagle3", "mtp", "dflash", "dspark")\n',
+        'return self.method in ("eagle", "eagle3", "mtp", "dflash", "dspark", "ddtree")\n',
+        1,
+    ),
+    (
+        "vllm/config/speculative.py",
+        "    def use_dflash(self) -> bool:\n"
+        '        return self.method == "dflash"\n',
+        SPECULATIVE_METHODS,
+        1,
+    ),
+    (
+        "vllm/config/vllm.py",
+        'if spec is None or spec.method != "dflash":\n',
+        "if spec is None or not spec.use_dflash():\n",
+        2,
+    ),
+    (
+        "vllm/config/vllm.py",
+        '                "custom_class",\n            ):\n'
+        '                unsupported.append(f"speculative method',
+        '                "custom_class",\n                "ddtree",\n            ):\n'
+        '                unsupported.append(f"speculative method',
+        1,
+    ),
+    (
+        "vllm/config/vllm.py",
+        "        self._verify_aux_output_compatibility()\n",
+        "        self._verify_aux_output_compatibility()\n"
+        "        if self.speculative_config is not None:\n"
+        "            from vllm.v1.spec_decode.ddtree.config import (\n"
+        "                verify_speculative_config,\n"
+        "            )\n\n"
+        "            verify_speculative_config(self)\n",
+        1,
+    ),
+    (
+        "vllm/v1/spec_decode/dflash.py",
+        'assert vllm_config.speculative_config.method == "dflash"\n',
+        "assert vllm_config.speculative_config.use_dflash()\n",
+        1,
+    ),
+    (
+        "vllm/v1/spec_decode/llm_base_proposer.py",
+        'self.method != "dflash")',
+        'self.method not in ("dflash", "ddtree"))',
+        1,
+    ),
+    (
+        "vllm/v1/spec_decode/llm_base_proposer.py",
+        'if self.method in ("eagle3", "dflash"):\n',
+        'if self.method in ("eagle3", "dflash", "ddtree"):\n',
+        1,
+    ),
+    (
+        "vllm/v1/spec_decode/llm_base_proposer.py",
+        'return self.method not in ("mtp", "draft_model", "dflash")\n',
+        'return self.method not in ("mtp", "draft_model", "dflash", "ddtree")\n',
+        1,
+    ),
+]
+
+
+def config_edits(tree: Path) -> None:
+    """``"ddtree"`` in ``SpeculativeConfig``: the method, its typed fields, the
+    DFlash code paths it shares, and its start-up check in ``VllmConfig``."""
+    for path, old, new, count in CONFIG_EDITS:
+        file = tree / path
+        text = file.read_text()
+        if text.count(old) != count:
+            raise SystemExit(
+                f"{path}: anchor found {text.count(old)} times (need {count}):\n{old}"
+            )
+        file.write_text(text.replace(old, new))
+    path = "vllm/config/speculative.py"
+    file = tree / path
+    file.write_text(
+        _edit(
+            file.read_text(),
+            path,
+            "    def compute_hash(self) -> str:\n",
+            ddtree_field_block() + "    def compute_hash(self) -> str:\n",
+        )
+    )
+
+
 EDITED_FILES = sorted(
-    ["vllm/model_executor/models/qwen3_dflash.py"] + [s[0] for s in HOOK_SITES]
+    {"vllm/model_executor/models/qwen3_dflash.py"}
+    | {s[0] for s in HOOK_SITES}
+    | {e[0] for e in CONFIG_EDITS}
 )
 
 
@@ -233,7 +435,8 @@ EDITED_FILES = sorted(
 # --------------------------------------------------------------------------- #
 
 
-def rewrite(text: str, source: str) -> str:
+def rewrite_names(text: str, source: str) -> str:
+    """The plugin's module names -> the in-tree ones; none may be left."""
     for old, new in IMPORT_REWRITES:
         text = text.replace(old, new)
     left = [m.start() for m in re.finditer(r"vllm_ddtree", text)]
@@ -243,6 +446,11 @@ def rewrite(text: str, source: str) -> str:
             f"{source}:{line}: 'vllm_ddtree' left after rewriting imports; the "
             "upstreamed modules must not name the plugin package"
         )
+    return text
+
+
+def rewrite(text: str, source: str) -> str:
+    text = rewrite_names(text, source)
     if "SPDX-FileCopyrightText" not in text:
         text = text.replace(
             "# SPDX-License-Identifier: Apache-2.0\n",
@@ -381,17 +589,22 @@ Any checkpoint the in-tree `dflash` method loads works unchanged; B =
 `ddtree_verify` ("rejection" | "sample_walk"), `ddtree_threshold_single` /
 `ddtree_threshold_acc` (1.0 = exact), `ddtree_kernel_backend`.
 
-Design. Inside the engine the drafter stays vLLM's DFlash (aux hidden states,
-drafter loading, parallel drafting, lookahead slots all unchanged) and a
-`DDTreeConfig` rides on the `SpeculativeConfig`. The scheduler needs no change:
-it sees B draft tokens per request and commits `accepted + 1`. All tree logic is
-in the worker: a runner mixin (tree inputs and positions, tree verification,
-KV commit of the accepted path, hidden states for the next DFlash round), a
-`DFlashProposer` subclass that builds the tree from the block's logits, and an
-attention backend with ancestor-only masks inside trees (CPU in this PR). Six
-decorators in hooks.py connect it, each a no-op unless ddtree is on:
-`EngineArgs.create_speculative_config`, `VllmConfig.
-_get_v2_model_runner_unsupported_features`, `GPUModelRunner.__init__`,
+Design. `"ddtree"` is a value of `SpeculativeConfig.method`, and each option
+is a typed, documented `ddtree_*` field (part of `compute_hash`);
+`SpeculativeConfig.ddtree` reads them as one validated `DDTreeConfig`. ddtree
+drafts with a DFlash drafter, so `use_dflash()` holds for it too: drafter
+loading, aux hidden states, parallel drafting and lookahead slots are DFlash's
+(the few sites that compared `method == "dflash"` now name both).
+`VllmConfig.__post_init__` checks a ddtree engine (drafter, target, platform)
+and resolves the options left unset; a `ddtree_*` option with another method
+is an error. The V2 model runner and async scheduling list ddtree as
+unsupported. The scheduler needs no change: it sees B draft tokens per request
+and commits `accepted + 1`. All tree logic is in the worker: a runner mixin
+(tree inputs and positions, tree verification, KV commit of the accepted path,
+hidden states for the next DFlash round), a `DFlashProposer` subclass that
+builds the tree from the block's logits, and an attention backend with
+ancestor-only masks inside trees (CPU in this PR). Four decorators in hooks.py
+connect it, each a no-op unless ddtree is on: `GPUModelRunner.__init__`,
 `InputProcessor.process_inputs`, `EngineCore.preprocess_add_request` and
 `LLMEngine.add_request` (the last two refuse pre-built requests that skipped
 `process_inputs`).
@@ -552,6 +765,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
 
         new = copy_files(tree, ADAPTER_FILES)
         hook_edits(tree)
+        config_edits(tree)
         ruff(tree, new)
         commit(tree, MESSAGES["integration"])
 

@@ -242,7 +242,7 @@ def test_drafter_cost_samples_leave_out_context_flushes(pairs, monkeypatch):
 
 
 def test_budget_key_is_validated():
-    from vllm_ddtree.vllm_adapter.config import pop_ddtree_config
+    from vllm_ddtree.vllm_adapter.plugin_hooks import pop_ddtree_config
 
     spec = {"method": "ddtree", "model": "x", "num_speculative_tokens": 4,
             "ddtree_budget": "dynamic"}

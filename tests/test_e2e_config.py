@@ -92,8 +92,10 @@ def test_refused_engine_options(pair):
 
 def test_stray_ddtree_keys_need_the_method(pair):
     target, drafter = pair
+    # (Not the default value: in-tree, a typed field cannot tell "set to the
+    # default" from "unset".)
     spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 4,
-            "ddtree_verify": "rejection"}
+            "ddtree_verify": "sample_walk"}
     with pytest.raises(ValueError, match="need \"method\": \"ddtree\""):
         start(target, spec)
 
@@ -185,3 +187,30 @@ def test_layer_refusals_fail_the_engine_start_not_a_request(pair, monkeypatch):
                                         "attention on CPU does not support attention "
                                         "sinks"):
         start(pair[0], ddtree(pair[1]))
+
+
+def test_options_reach_the_engine_config(pair):
+    """The ddtree options as the engine sees them. In vLLM with ddtree in-tree
+    (the patch series), ``"ddtree"`` is the config's method, its options are
+    typed fields, and they are part of the config's hash and repr; the plugin
+    runs vLLM's DFlash config with the options attached."""
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = pair
+
+    def engine_spec(**extra):
+        return EngineArgs(model=target, dtype="float32", enforce_eager=True,
+                          max_model_len=256, speculative_config=ddtree(drafter, **extra)
+                          ).create_engine_config().speculative_config
+
+    spec = engine_spec(ddtree_verify="sample_walk", ddtree_max_children=3)
+    assert spec.ddtree.verify == "sample_walk" and spec.ddtree.max_children == 3
+    assert spec.ddtree.draft_len == 4  # block_size 5 - 1, resolved at start-up
+    if hasattr(SpeculativeConfig, "use_ddtree"):  # in-tree
+        assert spec.method == "ddtree" and spec.use_ddtree() and spec.use_dflash()
+        assert "method='ddtree'" in repr(spec)
+        assert spec.ddtree_verify == "sample_walk" and spec.ddtree_draft_len == 4
+        assert spec.compute_hash() != engine_spec().compute_hash()
+    else:  # the plugin
+        assert spec.method == "dflash"

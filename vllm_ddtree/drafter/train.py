@@ -373,6 +373,8 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
                           model: DFlashDrafter | None = None) -> None:
     """``TRAINING.md`` (provenance, data, config, curve table) and ``training_curve.png``."""
     log = [json.loads(line) for line in (workdir / LOG).read_text().splitlines() if line.strip()]
+    # A resumed run repeats the steps after its last checkpoint: the later record wins.
+    log = list({r["step"]: r for r in log}.values())
     evals = [r for r in log if r.get("val_tau_chain") is not None]
     losses = [r for r in log if "loss" in r]
     index = data.FeatureIndex.load(workdir / data.INDEX)

@@ -1,25 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``ddtree`` keys of ``--speculative-config`` and their validation.
+"""The DDTree options: one validated :class:`DDTreeConfig`.
 
-vLLM 0.32's ``SpeculativeConfig`` is a pydantic dataclass whose ``method`` is a
-closed Literal and which forbids unknown keys. Every DFlash code path (aux hidden
-states, drafter loading, parallel drafting, lookahead KV slots) keys on
-``method == "dflash"``, so ``"ddtree"`` is accepted at the user boundary
-(``EngineArgs.create_speculative_config``), the ``ddtree_*`` keys are taken out,
-the engine runs its DFlash plumbing, and a :class:`DDTreeConfig` rides along on
-the ``SpeculativeConfig`` instance (it survives pickling to engine and worker
-processes).
+In vLLM, ``"ddtree"`` is a value of ``SpeculativeConfig.method`` and every
+option is a typed ``ddtree_*`` field of ``SpeculativeConfig`` (named in
+:data:`DDTREE_KEYS`); ``SpeculativeConfig.ddtree`` collects them into a
+:class:`DDTreeConfig`. ddtree drafts with a DFlash drafter, so
+``use_dflash()`` holds for it: drafter loading, aux hidden states, parallel
+drafting and lookahead slots are DFlash's. :func:`resolve_ddtree_config` checks
+the drafter, target and platform while the engine config is built, and fills
+in the options left unset.
 
-This module must import cheaply and without vLLM: configs are unpickled in new
+This module imports cheaply and without vLLM: configs are unpickled in new
 processes before the rest of ddtree is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["DDTreeConfig", "DDTREE_KEYS", "pop_ddtree_config", "get_ddtree_config"]
+__all__ = [
+    "DDTREE_KEYS",
+    "DDTreeConfig",
+    "get_ddtree_config",
+    "resolve_ddtree_config",
+    "verify_speculative_config",
+]
 
 DDTREE_METHOD = "ddtree"
 
@@ -33,7 +40,7 @@ class DDTreeConfig:
     draft_len: int | None = None
     """Drafted positions L (maximum tree depth). Default: the drafter's
     ``block_size - 1``."""
-    verify: str = "rejection"
+    verify: Literal["rejection", "sample_walk"] = "rejection"
     """Sampling rule at temperature > 0: ``"rejection"`` (target-only tree rejection
     sampling) or ``"sample_walk"`` (one target sample per node). Both are lossless;
     temperature 0 always uses the greedy walk."""
@@ -45,10 +52,10 @@ class DDTreeConfig:
     """Draft tokens considered per depth, hence children per node at most (the
     paper's K; default min(B, vocab)). 1 verifies the DFlash argmax chain with
     the lossless tree sampler."""
-    kernel_backend: str = "auto"
+    kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
-    budget_mode: str | None = None
+    budget_mode: Literal["auto", "fixed"] | None = None
     """``"auto"``: B is the largest budget; each step keeps, per request, the tree
     prefix that maximises the batch's expected tokens per second under step-cost
     models fitted online, and skips the drafter forward (its context K/V is still
@@ -57,6 +64,18 @@ class DDTreeConfig:
     ``"fixed"``: every tree has B nodes (``num_speculative_tokens``).
     Unset (None) resolves at start-up to ``"auto"``, or to ``"fixed"`` where auto
     is unsupported (tensor parallelism)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_speculative_config(cls, spec: Any) -> DDTreeConfig:
+        """The options of a ``SpeculativeConfig`` with ``method="ddtree"`` (its
+        ``ddtree_*`` fields)."""
+        return cls(
+            budget=spec.num_speculative_tokens,
+            **{field: getattr(spec, key) for key, field in DDTREE_KEYS.items()},
+        )
 
 
 # User-facing key -> DDTreeConfig field.
@@ -71,57 +90,13 @@ DDTREE_KEYS = {
 }
 
 
-def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
-    """Takes the ddtree keys out of a ``--speculative-config`` dict.
-
-    Returns None (and leaves ``spec`` alone) unless ``spec["method"] == "ddtree"``.
-    Otherwise rewrites the method to ``"dflash"`` and returns the validated
-    :class:`DDTreeConfig`. Raises ValueError naming the offending key.
-    """
-    if spec.get("method") != DDTREE_METHOD:
-        stray = sorted(
-            k for k in spec if str(k).replace("-", "_").startswith("ddtree_")
-        )
-        if stray:
-            raise ValueError(
-                f'speculative_config keys {stray} need "method": "ddtree" '
-                f"(got method={spec.get('method')!r})"
-            )
-        return None
-    unknown = sorted(
-        k
-        for k in spec
-        if k.replace("-", "_").startswith("ddtree")
-        and k.replace("-", "_") not in DDTREE_KEYS
-    )
-    if unknown:
-        raise ValueError(
-            f"unknown ddtree key(s) {unknown} in speculative_config; known: "
-            f"{sorted(DDTREE_KEYS)}"
-        )
-    if not spec.get("model"):
-        raise ValueError(
-            'speculative_config with "method": "ddtree" needs "model": the path of a '
-            'DFlash drafter checkpoint (the format vLLM\'s "dflash" method loads)'
-        )
-    budget = spec.get("num_speculative_tokens")
+def _validate(cfg: DDTreeConfig) -> None:
+    budget = cfg.budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(
             'speculative_config "num_speculative_tokens" is the ddtree node budget B '
             f"and must be an integer >= 1, got {budget!r}"
         )
-    fields: dict[str, Any] = {}
-    for key in list(spec):
-        norm = key.replace("-", "_")
-        if norm in DDTREE_KEYS:
-            fields[DDTREE_KEYS[norm]] = spec.pop(key)
-    cfg = DDTreeConfig(budget=budget, **fields)
-    _validate(cfg)
-    spec["method"] = "dflash"
-    return cfg
-
-
-def _validate(cfg: DDTreeConfig) -> None:
     if cfg.draft_len is not None and (
         isinstance(cfg.draft_len, bool)
         or not isinstance(cfg.draft_len, int)
@@ -157,7 +132,158 @@ def _validate(cfg: DDTreeConfig) -> None:
         )
 
 
+def resolve_ddtree_config(
+    spec: Any,
+    ddtree: DDTreeConfig,
+    target_model_config: Any,
+    kv_cache_dtype: str = "auto",
+) -> DDTreeConfig:
+    """Checks a ddtree engine at start-up and resolves the options left unset.
+
+    Args:
+        spec: the engine's ``SpeculativeConfig`` (its DFlash drafter loaded).
+        ddtree: the requested options.
+        target_model_config: the target's ``ModelConfig``.
+        kv_cache_dtype: the KV cache dtype (``CacheConfig.cache_dtype``).
+
+    Returns:
+        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) and
+        ``budget_mode`` set.
+
+    Raises:
+        ValueError: naming the refused option, drafter, target or platform.
+    """
+    from vllm_ddtree.vllm_adapter.checks import check_target_and_platform
+
+    refused = {
+        "disable_padded_drafter_batch": spec.disable_padded_drafter_batch,
+        "use_local_argmax_reduction": getattr(
+            spec, "use_local_argmax_reduction", False
+        ),
+    }
+    for key, value in refused.items():
+        if value:
+            raise ValueError(f"ddtree does not support speculative_config {key}=True")
+    if getattr(spec, "draft_sample_method", "greedy") != "greedy":
+        raise ValueError(
+            "ddtree builds trees from the draft logits; draft_sample_method "
+            "must stay 'greedy'"
+        )
+    if getattr(spec, "rejection_sample_method", "standard") != "standard":
+        raise ValueError(
+            "ddtree verifies trees with its own sampler; "
+            "rejection_sample_method must stay 'standard'"
+        )
+    if getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        raise ValueError(
+            "ddtree does not support num_speculative_tokens_per_batch_size "
+            "(vLLM's Dynamic SD table of draft lengths per batch size): use "
+            "ddtree_budget='auto', which sizes each request's tree every step "
+            "from measured step costs, with num_speculative_tokens as the bound"
+        )
+    tensor = getattr(spec.target_parallel_config, "tensor_parallel_size", 1) or 1
+    budget_mode = ddtree.budget_mode
+    if budget_mode is None:
+        budget_mode = "auto" if tensor == 1 else "fixed"
+        if tensor != 1:
+            from vllm.logger import init_logger
+
+            init_logger(__name__).info(
+                "ddtree: tensor_parallel_size=%d, so ddtree_budget defaults to "
+                "'fixed' (every tree has num_speculative_tokens nodes)",
+                tensor,
+            )
+    if budget_mode == "auto" and tensor != 1:
+        # Each worker times its own steps: their trims and drafter skips would
+        # differ, so workers would verify different trees.
+        raise ValueError(
+            f"ddtree_budget='auto' does not support tensor_parallel_size={tensor} "
+            "yet (each worker would choose its own budgets); use "
+            "ddtree_budget='fixed'"
+        )
+    pipeline = getattr(spec.target_parallel_config, "pipeline_parallel_size", 1) or 1
+    if pipeline != 1:
+        # Only the last rank proposes, so the tree structure and the KV commit
+        # would never reach the first rank's layers (causal branches, rejected
+        # K/V left at committed positions).
+        raise ValueError(
+            f"ddtree does not support pipeline_parallel_size={pipeline}: every "
+            "rank's layers need the draft tree and the KV commit; use "
+            "pipeline_parallel_size=1"
+        )
+
+    check_target_and_platform(target_model_config, kv_cache_dtype)
+    draft_hf = spec.draft_model_config.hf_config
+    target_hf = target_model_config.hf_text_config
+    dflash_cfg = getattr(draft_hf, "dflash_config", None) or {}
+    draft_hidden = getattr(draft_hf, "hidden_size", None)
+    target_hidden = getattr(target_hf, "hidden_size", None)
+    if draft_hidden != target_hidden:
+        raise ValueError(
+            f"DFlash drafter hidden_size {draft_hidden} does not match the target's "
+            f"{target_hidden}"
+        )
+    target_vocab = target_model_config.get_vocab_size()
+    draft_vocab = getattr(draft_hf, "vocab_size", target_vocab)
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"DFlash drafter vocab_size {draft_vocab} does not match the target's "
+            f"{target_vocab} (ddtree needs full target-vocab draft logits)"
+        )
+    mask_token = dflash_cfg.get(
+        "mask_token_id", getattr(draft_hf, "mask_token_id", None)
+    )
+    if mask_token is None or not 0 <= int(mask_token) < target_vocab:
+        raise ValueError(
+            f"DFlash drafter mask_token_id {mask_token!r} must be a token id of the "
+            f"target vocabulary [0, {target_vocab})"
+        )
+    draft_len = ddtree.draft_len
+    if draft_len is None:
+        block = dflash_cfg.get("block_size", getattr(draft_hf, "block_size", None))
+        if block is None or int(block) < 2:
+            raise ValueError(
+                "cannot read the drafter's block_size; set ddtree_draft_len (the "
+                "number of positions the DFlash drafter predicts, block_size - 1)"
+            )
+        draft_len = int(block) - 1
+    return dataclasses.replace(ddtree, draft_len=draft_len, budget_mode=budget_mode)
+
+
 def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:
     """The DDTreeConfig of an engine, or None when ddtree is not on."""
     spec = getattr(vllm_config, "speculative_config", None)
     return getattr(spec, "ddtree", None) if spec is not None else None
+
+
+_DEFAULTS = {
+    key: DDTreeConfig.__dataclass_fields__[field].default
+    for key, field in DDTREE_KEYS.items()
+}
+
+
+def verify_speculative_config(vllm_config: Any) -> None:
+    """Start-up check of a ``VllmConfig`` whose ``SpeculativeConfig`` has the
+    typed ``ddtree_*`` fields (vLLM with ddtree in-tree).
+
+    With ``method="ddtree"``: checks the drafter, target and platform
+    (:func:`resolve_ddtree_config`) and writes the resolved options back to the
+    fields. With any other method, a ``ddtree_*`` field that is set is an error,
+    not an option silently ignored.
+    """
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    if spec.method != DDTREE_METHOD:
+        stray = sorted(k for k, v in _DEFAULTS.items() if getattr(spec, k) != v)
+        if stray:
+            raise ValueError(
+                f'speculative_config keys {stray} need "method": "ddtree" '
+                f"(got method={spec.method!r})"
+            )
+        return
+    resolved = resolve_ddtree_config(
+        spec, spec.ddtree, vllm_config.model_config, vllm_config.cache_config.cache_dtype
+    )
+    for key, field in DDTREE_KEYS.items():
+        setattr(spec, key, getattr(resolved, field))

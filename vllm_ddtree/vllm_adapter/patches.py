@@ -2,13 +2,16 @@
 """Installs ddtree into vLLM 0.32 at run time: the ``vllm.general_plugins`` entry
 point calls :func:`install` once per process.
 
-P1-P4, P7 and P8 apply the decorators of :mod:`vllm_ddtree.vllm_adapter.hooks`
-to the vLLM methods they decorate in-tree in the upstream patch series
-(``patches/``):
+P1 and P2 stand in for the series' edits of vLLM's config
+(:mod:`vllm_ddtree.vllm_adapter.plugin_hooks`); P3, P4, P7 and P8 apply the
+decorators of :mod:`vllm_ddtree.vllm_adapter.hooks` to the vLLM methods they
+decorate in-tree in the upstream patch series (``patches/``):
 
-* P1 ``EngineArgs.create_speculative_config``: accept ``"ddtree"`` (frontend).
+* P1 ``EngineArgs.create_speculative_config``: accept ``"ddtree"`` (frontend);
+  in the series, ``"ddtree"`` and its ``ddtree_*`` fields are part of
+  ``SpeculativeConfig``.
 * P2 ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the
-  V1 model runner.
+  V1 model runner (in the series: one more name in vLLM's list).
 * P3 ``GPUModelRunner.__init__``: with ddtree on, the DDTree runner mixin, the
   :class:`DDTreeProposer` and (CPU) the tree-aware attention backend (worker;
   covers CPUModelRunner).
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.vllm_adapter import gpu_opt_in, hooks
+from vllm_ddtree.vllm_adapter import gpu_opt_in, hooks, plugin_hooks
 
 SUPPORTED_VLLM = "0.32."
 _installed = False
@@ -67,11 +70,11 @@ def install() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    EngineArgs.create_speculative_config = hooks.speculative_config_hook(
+    EngineArgs.create_speculative_config = plugin_hooks.speculative_config_hook(
         EngineArgs.create_speculative_config
     )
     VllmConfig._get_v2_model_runner_unsupported_features = (
-        hooks.v2_runner_unsupported_hook(
+        plugin_hooks.v2_runner_unsupported_hook(
             VllmConfig._get_v2_model_runner_unsupported_features
         )
     )

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Plugin only: ``"method": "ddtree"`` on an unmodified vLLM 0.32.
+
+vLLM 0.32's ``SpeculativeConfig`` is a pydantic dataclass whose ``method`` is a
+closed Literal and which forbids unknown fields, so the plugin cannot add
+``"ddtree"`` and its ``ddtree_*`` fields as the upstream series does
+(``patches/``: ``vllm/config/speculative.py``). Instead
+:func:`speculative_config_hook` (patch point P1) takes the ``ddtree_*`` keys out
+of ``--speculative-config``, lets vLLM build its DFlash ``SpeculativeConfig``
+for the drafter (every DFlash code path keys on ``method == "dflash"``), and
+attaches the resolved :class:`DDTreeConfig` as its ``ddtree`` attribute, which
+in the series is a property over the typed fields: every other module reads it
+through :func:`~vllm_ddtree.vllm_adapter.config.get_ddtree_config` either way.
+:func:`v2_runner_unsupported_hook` (P2) lists ddtree among the V2 model runner's
+unsupported features, as the series does in ``vllm/config/vllm.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from vllm_ddtree.vllm_adapter.config import (
+    DDTREE_KEYS,
+    DDTREE_METHOD,
+    DDTreeConfig,
+    get_ddtree_config,
+    resolve_ddtree_config,
+)
+
+__all__ = ["pop_ddtree_config", "speculative_config_hook", "v2_runner_unsupported_hook"]
+
+
+def speculative_config_hook(create_speculative_config):
+    """Accepts ``"ddtree"``: takes the ``ddtree_*`` keys out, lets vLLM build its
+    DFlash ``SpeculativeConfig`` for the drafter, validates the drafter against
+    the target and attaches a :class:`DDTreeConfig` (frontend process)."""
+
+    @functools.wraps(create_speculative_config)
+    def wrapper(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if self.spec_method == "ddtree":
+            spec = dict(spec or {})
+            if "method" in spec:
+                raise ValueError(
+                    "--spec-method and --speculative-config['method'] are mutually "
+                    "exclusive"
+                )
+            spec["method"] = "ddtree"
+            self.spec_method = None
+        ddtree = None
+        if isinstance(spec, dict):
+            spec = {k.replace("-", "_"): v for k, v in spec.items()}
+            ddtree = pop_ddtree_config(spec)
+            self.speculative_config = spec
+        if ddtree is not None:
+            if self.async_scheduling:
+                raise ValueError(
+                    "ddtree needs synchronous scheduling (the tree structure and the "
+                    "KV commit live in the worker between steps); drop async_scheduling"
+                )
+            self.async_scheduling = False
+            if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+                raise ValueError(
+                    "ddtree runs on the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER"
+                )
+        result = create_speculative_config(
+            self, target_model_config, target_parallel_config
+        )
+        if ddtree is not None:
+            ddtree = resolve_ddtree_config(
+                result, ddtree, target_model_config, self.kv_cache_dtype
+            )
+            # A plain attribute: SpeculativeConfig forbids unknown *fields*, not
+            # attributes, and pickles its __dict__ to engine and worker processes.
+            object.__setattr__(result, "ddtree", ddtree)
+        return result
+
+    return wrapper
+
+
+def v2_runner_unsupported_hook(get_unsupported_features):
+    """Lists ddtree among the features the V2 model runner lacks (it runs on V1)."""
+
+    @functools.wraps(get_unsupported_features)
+    def wrapper(self):
+        features = get_unsupported_features(self)
+        if get_ddtree_config(self) is not None:
+            features.append("speculative method 'ddtree'")
+        return features
+
+    return wrapper
+
+
+def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
+    """Takes the ddtree keys out of a ``--speculative-config`` dict.
+
+    Returns None (and leaves ``spec`` alone) unless ``spec["method"] == "ddtree"``.
+    Otherwise rewrites the method to ``"dflash"`` and returns the validated
+    :class:`DDTreeConfig`. Raises ValueError naming the offending key.
+    """
+    if spec.get("method") != DDTREE_METHOD:
+        stray = sorted(
+            k for k in spec if str(k).replace("-", "_").startswith("ddtree_")
+        )
+        if stray:
+            raise ValueError(
+                f'speculative_config keys {stray} need "method": "ddtree" '
+                f"(got method={spec.get('method')!r})"
+            )
+        return None
+    unknown = sorted(
+        k
+        for k in spec
+        if k.replace("-", "_").startswith("ddtree")
+        and k.replace("-", "_") not in DDTREE_KEYS
+    )
+    if unknown:
+        raise ValueError(
+            f"unknown ddtree key(s) {unknown} in speculative_config; known: "
+            f"{sorted(DDTREE_KEYS)}"
+        )
+    if not spec.get("model"):
+        raise ValueError(
+            'speculative_config with "method": "ddtree" needs "model": the path of a '
+            'DFlash drafter checkpoint (the format vLLM\'s "dflash" method loads)'
+        )
+    fields: dict[str, Any] = {}
+    for key in list(spec):
+        norm = key.replace("-", "_")
+        if norm in DDTREE_KEYS:
+            fields[DDTREE_KEYS[norm]] = spec.pop(key)
+    cfg = DDTreeConfig(budget=spec.get("num_speculative_tokens"), **fields)
+    spec["method"] = "dflash"
+    return cfg
