@@ -41,7 +41,7 @@ for name in order:
     orig = r._model_forward
     def wrapped(*a, _orig=orig, _r=r, _st=st, **k):
         t = time.perf_counter(); out = _orig(*a, **k); dt = time.perf_counter() - t
-        tree = getattr(_r, "_ddtree_step", None) is not None
+        tree = getattr(getattr(_r, "ddtree", None), "_step", None) is not None
         _st["tree_s" if tree else "plain_s"] += dt; _st["tree_n" if tree else "plain_n"] += 1
         return out
     r._model_forward = wrapped

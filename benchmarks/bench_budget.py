@@ -152,7 +152,7 @@ class Engine(MethodEngine):
         trace.phase = "profile"
         super().__init__(name, spec, args, target, timers, max_batch=max_batch)
         trace.phase = "online"
-        self.controller = getattr(self.runner, "_ddtree_budget", None)
+        self.controller = getattr(getattr(self.runner, "ddtree", None), "budget", None)
         self.profile_fit = curve(self.controller.tree_step_cost) if self.controller else None
 
     def start(self) -> None:

@@ -172,12 +172,6 @@ def bugfix_edits(tree: Path) -> None:
 HOOK_SITES = [
     # (file, import anchor line, decorated definition, decorator)
     (
-        "vllm/v1/worker/gpu_model_runner.py",
-        "from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer",
-        "    @JitWarmupRegistry.capture\n    def __init__(\n",
-        "model_runner_init_hook",
-    ),
-    (
         "vllm/v1/engine/input_processor.py",
         "from vllm.v1.engine import EngineCoreRequest",
         "    def process_inputs(\n",
@@ -400,6 +394,138 @@ CONFIG_EDITS = [
 ]
 
 
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+
+# (old, new): the DDTree proposer beside DFlash's, and the explicit
+# `if self.ddtree is not None:` branches where a ddtree step differs (the plugin
+# makes the same DDTreeVerifier calls from plugin_runner.DDTreeRunnerMixin).
+RUNNER_EDITS = [
+    (
+        "from vllm.v1.spec_decode.dflash import DFlashProposer\n",
+        "from vllm.v1.spec_decode.ddtree.proposer import DDTreeProposer\n"
+        "from vllm.v1.spec_decode.ddtree.runner import DDTreeVerifier\n"
+        "from vllm.v1.spec_decode.dflash import DFlashProposer\n",
+    ),
+    (
+        "        self.use_aux_hidden_state_outputs = False\n",
+        "        self.use_aux_hidden_state_outputs = False\n"
+        "        # DDTree: tree verify inputs, tree sampling and KV commit.\n"
+        "        self.ddtree: DDTreeVerifier | None = None\n",
+    ),
+    (
+        "            elif self.speculative_config.use_dflash():\n"
+        "                self.drafter = DFlashProposer(",
+        "            elif self.speculative_config.use_ddtree():\n"
+        "                self.drafter = DDTreeProposer(self.vllm_config, self.device, self)\n"
+        "                self.use_aux_hidden_state_outputs = True\n"
+        "                self.ddtree = DDTreeVerifier(self)\n"
+        "            elif self.speculative_config.use_dflash():\n"
+        "                self.drafter = DFlashProposer(",
+    ),
+    (
+        '                "after execute_model() returns None."\n            )\n',
+        '                "after execute_model() returns None."\n            )\n'
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.step_started(scheduler_output)\n",
+    ),
+    (
+        "        if not self.use_async_scheduling:\n            return output\n",
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.step_finished()\n"
+        "        if not self.use_async_scheduling:\n            return output\n",
+    ),
+    (
+        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n",
+        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n\n"
+        "        if self.ddtree is not None and not is_profiling:\n"
+        "            self.ddtree.profile_step_costs()\n",
+    ),
+    (
+        "            return False\n        assert self.speculative_config is not None\n"
+        "        # DFlash queries one extra token",
+        "            return False\n        assert self.speculative_config is not None\n"
+        "        if self.ddtree is not None:\n"
+        "            return self.ddtree.input_fits_in_drafter(common_attn_metadata)\n"
+        "        # DFlash queries one extra token",
+    ),
+    (
+        "        # Remove finished requests from the cached states.\n",
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.drop_requests(scheduler_output)\n"
+        "        # Remove finished requests from the cached states.\n",
+    ),
+    (
+        "        return (\n            logits_indices,\n            spec_decode_metadata,\n"
+        "            int(num_sampled_tokens.max()),\n",
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.prepare_tree_inputs(scheduler_output, spec_decode_metadata)\n\n"
+        "        return (\n            logits_indices,\n            spec_decode_metadata,\n"
+        "            int(num_sampled_tokens.max()),\n",
+    ),
+    (
+        "        return self.model(\n"
+        "            input_ids=input_ids,\n"
+        "            positions=positions,\n"
+        "            intermediate_tensors=intermediate_tensors,\n"
+        "            inputs_embeds=inputs_embeds,\n"
+        "            **model_kwargs,\n"
+        "        )\n",
+        "        tree_attention = (\n"
+        "            nullcontext() if self.ddtree is None else self.ddtree.tree_attention()\n"
+        "        )\n"
+        "        with tree_attention:\n"
+        "            return self.model(\n"
+        "                input_ids=input_ids,\n"
+        "                positions=positions,\n"
+        "                intermediate_tensors=intermediate_tensors,\n"
+        "                inputs_embeds=inputs_embeds,\n"
+        "                **model_kwargs,\n"
+        "            )\n",
+    ),
+    (
+        "        self.input_batch.update_async_output_token_ids()\n",
+        "        self.input_batch.update_async_output_token_ids()\n"
+        "        if self.ddtree is not None and logits is not None:\n"
+        "            # Tree verification and the KV commit of the accepted paths.\n"
+        "            return self.ddtree.sample(logits, spec_decode_metadata)\n",
+    ),
+    (
+        "        num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens\n"
+        "        spec_config = self.speculative_config\n"
+        "        assert spec_config is not None\n"
+        "        num_spec_tokens_to_schedule",
+        "        if self.ddtree is not None:\n"
+        "            # The committed path's positions and hidden states for the\n"
+        "            # drafter, which the auto budget may skip this step.\n"
+        "            aux_hidden_states, skipped = self.ddtree.before_propose(\n"
+        "                scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata\n"
+        "            )\n"
+        "            if skipped is not None:\n"
+        "                return skipped\n"
+        "        num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens\n"
+        "        spec_config = self.speculative_config\n"
+        "        assert spec_config is not None\n"
+        "        num_spec_tokens_to_schedule",
+    ),
+    (
+        "        return draft_token_ids\n",
+        "        if self.ddtree is not None:\n"
+        "            draft_token_ids = self.ddtree.after_propose(draft_token_ids)\n"
+        "        return draft_token_ids\n",
+    ),
+]
+
+
+def runner_edits(tree: Path) -> None:
+    """``GPUModelRunner`` with ddtree: its proposer and verifier, and the
+    branches that call the verifier."""
+    file = tree / RUNNER
+    text = file.read_text()
+    for old, new in RUNNER_EDITS:
+        text = _edit(text, RUNNER, old, new)
+    file.write_text(text)
+
+
 def config_edits(tree: Path) -> None:
     """``"ddtree"`` in ``SpeculativeConfig``: the method, its typed fields, the
     DFlash code paths it shares, and its start-up check in ``VllmConfig``."""
@@ -427,6 +553,7 @@ EDITED_FILES = sorted(
     {"vllm/model_executor/models/qwen3_dflash.py"}
     | {s[0] for s in HOOK_SITES}
     | {e[0] for e in CONFIG_EDITS}
+    | {RUNNER}
 )
 
 
@@ -599,15 +726,21 @@ loading, aux hidden states, parallel drafting and lookahead slots are DFlash's
 and resolves the options left unset; a `ddtree_*` option with another method
 is an error. The V2 model runner and async scheduling list ddtree as
 unsupported. The scheduler needs no change: it sees B draft tokens per request
-and commits `accepted + 1`. All tree logic is in the worker: a runner mixin
-(tree inputs and positions, tree verification, KV commit of the accepted path,
-hidden states for the next DFlash round), a `DFlashProposer` subclass that
-builds the tree from the block's logits, and an attention backend with
-ancestor-only masks inside trees (CPU in this PR). Four decorators in hooks.py
-connect it, each a no-op unless ddtree is on: `GPUModelRunner.__init__`,
-`InputProcessor.process_inputs`, `EngineCore.preprocess_add_request` and
-`LLMEngine.add_request` (the last two refuse pre-built requests that skipped
-`process_inputs`).
+and commits `accepted + 1`. All tree logic is in the worker. `GPUModelRunner`
+creates a `DDTreeProposer` (a `DFlashProposer` that builds each request's
+tree from the block's logits) and a `DDTreeVerifier` (`self.ddtree`), and
+calls the verifier from explicit `if self.ddtree is not None:` branches where
+a ddtree step differs: tree verify inputs and positions (`_prepare_inputs`),
+ancestor-only attention (`_model_forward`), tree verification and the KV
+commit of the accepted path (`_sample`), the committed path's hidden states
+for the next DFlash round (`propose_draft_token_ids`), the drafter's block
+query (`_input_fits_in_drafter`), finished requests' trees
+(`_update_states`) and the auto budget's step timing and cost profile. The
+attention backend has ancestor-only masks inside trees (CPU in this PR).
+Three decorators in hooks.py refuse, per request, what ddtree does not
+honour yet (`InputProcessor.process_inputs`, and
+`EngineCore.preprocess_add_request` / `LLMEngine.add_request` for pre-built
+requests that skipped `process_inputs`); each is a no-op unless ddtree is on.
 
 Supported: greedy (token-identical to non-speculative greedy) and temperature
 sampling (temperature, top-k, top-p, min-p, seeds, n, logprobs, min_tokens,
@@ -766,6 +899,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         new = copy_files(tree, ADAPTER_FILES)
         hook_edits(tree)
         config_edits(tree)
+        runner_edits(tree)
         ruff(tree, new)
         commit(tree, MESSAGES["integration"])
 

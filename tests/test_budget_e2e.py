@@ -57,7 +57,7 @@ def generate(target, spec=None):
     if spec is not None:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
-        controller = runner._ddtree_budget
+        controller = runner.ddtree.budget
         if controller is not None:
             stats["skipped"] = controller.num_skipped_steps
             stats["histogram"] = controller.chosen_histogram.tolist()
@@ -124,17 +124,17 @@ def test_skipped_drafter_steps_keep_its_context_complete(pairs, monkeypatch):
     pair, whose drafter attends over its context K/V (a hole in it changes the
     logits by far more)."""
     from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
-    from vllm_ddtree.vllm_adapter.runner import DDTreeRunnerMixin
+    from vllm_ddtree.vllm_adapter.runner import DDTreeVerifier
 
     target, drafter = pairs["random"]
     propose = DDTreeProposer.propose
     sample = DDTreeProposer._sample_draft_tokens
-    propose_drafts = DDTreeRunnerMixin.propose_draft_token_ids
+    before_propose = DDTreeVerifier.before_propose
     batch = {}
 
-    def recording_propose_drafts(self, *args, **kwargs):
-        batch["req_ids"] = list(self.input_batch.req_ids)
-        return propose_drafts(self, *args, **kwargs)
+    def recording_before_propose(self, *args, **kwargs):
+        batch["req_ids"] = list(self.runner.input_batch.req_ids)
+        return before_propose(self, *args, **kwargs)
 
     def run(skip):
         logits = {}
@@ -170,9 +170,7 @@ def test_skipped_drafter_steps_keep_its_context_complete(pairs, monkeypatch):
             m.setattr(budget_control.BudgetController, "draft_next", draft_next)
             m.setattr(DDTreeProposer, "propose", recording_propose)
             m.setattr(DDTreeProposer, "_sample_draft_tokens", recording_sample)
-            m.setattr(
-                DDTreeRunnerMixin, "propose_draft_token_ids", recording_propose_drafts
-            )
+            m.setattr(DDTreeVerifier, "before_propose", recording_before_propose)
             out, stats = generate(target, auto(drafter))
         return out, stats, logits
 

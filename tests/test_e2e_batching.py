@@ -146,20 +146,20 @@ def test_second_turn_reuses_blocks_written_by_commits(root, monkeypatch):
     ref2, _ = run(target, second, params, **kw)
 
     crossings = []
-    orig_sample = runner_module.DDTreeRunnerMixin._sample
+    orig_sample = runner_module.DDTreeVerifier.sample
 
     def sample_and_record(self, logits, spec_decode_metadata):
         out = orig_sample(self, logits, spec_decode_metadata)
-        plan = self._ddtree_plan
+        plan = self._plan
         if plan is not None:
             moved = plan.moved()
-            linear = self._ddtree_linear_positions
+            linear = self._linear_positions
             src = linear[plan.src_rows[moved]] // BLOCK
             dst = linear[plan.dst_rows[moved]] // BLOCK
             crossings.append(int((src != dst).sum()))
         return out
 
-    monkeypatch.setattr(runner_module.DDTreeRunnerMixin, "_sample", sample_and_record)
+    monkeypatch.setattr(runner_module.DDTreeVerifier, "sample", sample_and_record)
     llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
                    disable_log_stats=False, speculative_config=ddtree(drafter, 16),
                    seed=0, **kw)

@@ -82,10 +82,10 @@ def generate(
         "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
         "draft_tokens": metrics.get("vllm:spec_decode_num_draft_tokens", 0),
         "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-        "branch_paths": int(runner.ddtree_num_branch_paths)
+        "branch_paths": int(runner.ddtree.num_branch_paths)
         if runner is not None
         else 0,
-        "chain_fallbacks": runner._ddtree_stash.num_chain_fallbacks
+        "chain_fallbacks": runner.ddtree.stash.num_chain_fallbacks
         if runner is not None
         else 0,
     }
@@ -195,13 +195,13 @@ def test_siblings_are_accepted_and_committed(
             del self._sample_draft_tokens
 
     monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
-    orig_enable = runner_module.enable_ddtree
+    orig_init = runner_module.DDTreeVerifier.__init__
 
-    def enable_and_remember(runner, cfg):  # the script reads the runner's requests
-        orig_enable(runner, cfg)
+    def init_and_remember(self, runner):  # the script reads the runner's requests
+        orig_init(self, runner)
         runner.drafter.scripted_runner = runner
 
-    monkeypatch.setattr(runner_module, "enable_ddtree", enable_and_remember)
+    monkeypatch.setattr(runner_module.DDTreeVerifier, "__init__", init_and_remember)
     # B = 30 holds the whole binary tree of depth 4 (2 + 4 + 8 + 16 nodes).
     spec = ddtree(drafter, budget)
     if max_children is not None:
@@ -225,12 +225,13 @@ def test_siblings_are_accepted_and_committed(
 @pytest.mark.parametrize(
     "extra,match",
     [
-        ({"ddtree_bogus": 1}, "unknown ddtree key"),
-        ({"num_speculative_tokens": 0}, "must be an integer >= 1"),
+        # (plugin message | vLLM's own, with ddtree in-tree)
+        ({"ddtree_bogus": 1}, "unknown ddtree key|ddtree_bogus"),
+        ({"num_speculative_tokens": 0}, "must be an integer >= 1|num_speculative_tokens"),
         ({"ddtree_verify": "leviathan"}, "ddtree_verify"),
         ({"ddtree_threshold_acc": 0.0}, "ddtree_threshold_acc"),
         ({"ddtree_max_children": 0}, "ddtree_max_children"),
-        ({"model": None}, 'needs "model"'),
+        ({"model": None}, 'needs "model"|without speculative model'),
     ],
 )
 def test_bad_config_fails_at_startup(models, extra, match):
@@ -267,7 +268,7 @@ def test_abort_mid_generation_frees_everything(models, reference):
     engine.add_request("abort-me", {"prompt_token_ids": p[0]}, long)
     for _ in range(4):
         engine.step()
-    assert any("abort-me" in r for r in runner._ddtree_stash._trees)
+    assert any("abort-me" in r for r in runner.ddtree.stash._trees)
     engine.abort_request(["abort-me"])
     params = vllm.SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
@@ -276,7 +277,7 @@ def test_abort_mid_generation_frees_everything(models, reference):
         [{"prompt_token_ids": q} for q in p[1:3]], params, use_tqdm=False
     )
     assert [list(o.outputs[0].token_ids) for o in outs] == ref["oracle"][1:3]
-    assert not any("abort-me" in r for r in runner._ddtree_stash._trees)
+    assert not any("abort-me" in r for r in runner.ddtree.stash._trees)
     assert core.scheduler.kv_cache_manager.usage == 0.0
     del llm
 
@@ -289,18 +290,16 @@ def test_trees_survive_a_skipped_step(models, monkeypatch):
     p = [[7 + i, 11 + i, 13 + i] for i in range(8)]  # prefill fits one step
     ref, _ = generate(target, p)
     skipped, alive = [], set()
-    orig_update = runner_module.DDTreeRunnerMixin._update_states
+    orig_drop = runner_module.DDTreeVerifier.drop_requests
 
-    def update_and_count(self, scheduler_output):
+    def drop_and_count(self, scheduler_output):
         alive.difference_update(scheduler_output.finished_req_ids)
         scheduled = set(scheduler_output.num_scheduled_tokens)
         skipped.append(len(alive - scheduled))
         alive.update(scheduled)
-        return orig_update(self, scheduler_output)
+        return orig_drop(self, scheduler_output)
 
-    monkeypatch.setattr(
-        runner_module.DDTreeRunnerMixin, "_update_states", update_and_count
-    )
+    monkeypatch.setattr(runner_module.DDTreeVerifier, "drop_requests", drop_and_count)
     # 8 requests x (root + 8 nodes) = 72 verify rows per step, 20 fit.
     out, stats = generate(
         target,

@@ -208,7 +208,7 @@ def reference(models):
     ref["attention_ddtree"] = run(llm, [DIST_PROMPT] * N_ATTENTION, SP(**ATTENTION_PARAMS))
     ref["attention_ddtree_stats"] = spec_counts(llm)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    ref["attention_ddtree_stats"]["branch_paths"] = int(runner.ddtree_num_branch_paths)
+    ref["attention_ddtree_stats"]["branch_paths"] = int(runner.ddtree.num_branch_paths)
     del llm, runner
     gc.collect()
     # Second ddtree engine: smaller token budget (the long prompt is prefilled in
@@ -219,7 +219,7 @@ def reference(models):
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     # Tiny models: drafting rarely pays on timings alone, and the tests need
     # trees. Drafting is kept on; each tree is still trimmed to its best prefix.
-    controller = runner._ddtree_budget
+    controller = runner.ddtree.budget
     controller.min_gain = -1.0
     # Whether the controller trims depends on this machine's timings (on a busy
     # machine it kept whole trees); every other decision keeps one node fewer

@@ -34,8 +34,8 @@ import json, sys
 
 def counters(worker):
     runner = worker.model_runner
-    return [int(runner.ddtree_num_tree_verifies), int(runner.ddtree_num_branch_paths),
-            runner._ddtree_budget is None]
+    return [int(runner.ddtree.num_tree_verifies), int(runner.ddtree.num_branch_paths),
+            runner.ddtree.budget is None]
 
 
 def record_sampled_tokens(worker):

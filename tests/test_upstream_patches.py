@@ -128,9 +128,60 @@ def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
          "tests/v1/spec_decode/ddtree/test_commit.py",
          "tests/v1/spec_decode/ddtree/test_e2e.py",
          "tests/v1/spec_decode/ddtree/test_config.py",
-         "-k", "not e2e.py or random_drafter_is_lossless or oracle_pair or siblings"],
+         "-k", "not e2e.py or random_drafter_is_lossless or oracle_pair or siblings"
+               " or bad_config"],
         cwd=tree, env=env,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     assert " passed" in output and "skipped" not in output, output[-3000:]
+
+
+def _verifier_calls(source: str, class_name: str) -> dict[str, set[str]]:
+    """Per method of ``class_name``: the ``self.ddtree.<name>(...)`` calls."""
+    import ast
+
+    cls = next(node for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.ClassDef) and node.name == class_name)
+    calls = {}
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        names = {
+            node.func.attr for node in ast.walk(fn)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr == "ddtree"
+            and isinstance(node.func.value.value, ast.Name)
+            and node.func.value.value.id == "self"
+        }
+        if names:
+            calls[fn.name] = names
+    return calls
+
+
+def test_plugin_runner_calls_the_verifier_where_the_series_branches(tmp_path):
+    """One runner integration: the series' GPUModelRunner branches and the
+    plugin's runner subclass call the same DDTreeVerifier methods from the same
+    runner methods, and every step method of the verifier is called."""
+    import importlib.util
+    import inspect
+
+    from vllm_ddtree.vllm_adapter import plugin_runner
+    from vllm_ddtree.vllm_adapter.runner import DDTreeVerifier
+
+    spec = importlib.util.spec_from_file_location("make_patches",
+                                                  REPO / "scripts" / "make_patches.py")
+    make_patches = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_patches)
+    dest = tmp_path / make_patches.RUNNER
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(VLLM_DIR.parent / make_patches.RUNNER, dest)
+    make_patches.runner_edits(tmp_path)
+
+    series = _verifier_calls(dest.read_text(), "GPUModelRunner")
+    plugin = _verifier_calls(inspect.getsource(plugin_runner), "DDTreeRunnerMixin")
+    assert series == plugin
+    public = {name for name, member in vars(DDTreeVerifier).items()
+              if callable(member) and not name.startswith("_")}
+    assert public == set().union(*series.values())

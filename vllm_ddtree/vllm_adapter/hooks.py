@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The four vLLM methods ddtree hooks into, as decorators.
+"""The three request-entry methods ddtree checks, as decorators.
 
-Keeping the integration to four decorators keeps every ddtree code path out of
-vLLM's hot paths when ddtree is off. (The vllm-ddtree plugin applies the same
-decorators at run time.) The hooked methods and their decorators:
+Each refuses, per request, a sampling parameter ddtree does not honour yet,
+keeping every ddtree check out of vLLM's request path when ddtree is off. (The
+vllm-ddtree plugin applies the same decorators at run time.) The hooked methods
+and their decorators:
 
-* ``GPUModelRunner.__init__`` (CPUModelRunner too): :func:`model_runner_init_hook`;
 * ``InputProcessor.process_inputs``: :func:`process_inputs_hook`;
 * ``EngineCore.preprocess_add_request``: :func:`engine_add_request_hook`;
 * ``LLMEngine.add_request``: :func:`llm_engine_add_request_hook`.
@@ -23,36 +23,8 @@ from vllm_ddtree.vllm_adapter.config import get_ddtree_config
 __all__ = [
     "engine_add_request_hook",
     "llm_engine_add_request_hook",
-    "model_runner_init_hook",
     "process_inputs_hook",
 ]
-
-
-def model_runner_init_hook(init):
-    """With ddtree on, turns the constructed V1 runner into a ddtree runner (the
-    runner mixin and :class:`DDTreeProposer`) and, on CPU, selects the tree-aware
-    attention backend before the model is built (worker process)."""
-
-    @functools.wraps(init)
-    def wrapper(self, vllm_config, device, *args, **kwargs):
-        ddtree = get_ddtree_config(vllm_config)
-        if ddtree is None:
-            return init(self, vllm_config, device, *args, **kwargs)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # Before the runner resolves its attention backends.
-            from vllm_ddtree.vllm_adapter.cpu_attention import (
-                register_tree_attention_backend,
-            )
-
-            register_tree_attention_backend()
-        init(self, vllm_config, device, *args, **kwargs)
-        from vllm_ddtree.vllm_adapter.runner import enable_ddtree
-
-        enable_ddtree(self, ddtree)
-
-    return wrapper
 
 
 def process_inputs_hook(process_inputs):

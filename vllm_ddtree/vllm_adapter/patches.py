@@ -2,8 +2,9 @@
 """Installs ddtree into vLLM 0.32 at run time: the ``vllm.general_plugins`` entry
 point calls :func:`install` once per process.
 
-P1 and P2 stand in for the series' edits of vLLM's config
-(:mod:`vllm_ddtree.vllm_adapter.plugin_hooks`); P3, P4, P7 and P8 apply the
+P1-P3 stand in for the series' edits of vLLM's config and model runner
+(:mod:`vllm_ddtree.vllm_adapter.plugin_hooks`,
+:mod:`vllm_ddtree.vllm_adapter.plugin_runner`); P4, P7 and P8 apply the
 decorators of :mod:`vllm_ddtree.vllm_adapter.hooks` to the vLLM methods they
 decorate in-tree in the upstream patch series (``patches/``):
 
@@ -12,9 +13,10 @@ decorate in-tree in the upstream patch series (``patches/``):
   ``SpeculativeConfig``.
 * P2 ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the
   V1 model runner (in the series: one more name in vLLM's list).
-* P3 ``GPUModelRunner.__init__``: with ddtree on, the DDTree runner mixin, the
-  :class:`DDTreeProposer` and (CPU) the tree-aware attention backend (worker;
-  covers CPUModelRunner).
+* P3 ``GPUModelRunner.__init__``: with ddtree on, the runner gets its
+  ``DDTreeProposer`` and ``DDTreeVerifier`` and becomes a subclass that calls
+  the verifier where the series' ``GPUModelRunner`` has ``if self.ddtree is not
+  None:`` branches (worker; covers CPUModelRunner).
 * P4 ``InputProcessor.process_inputs``: refused sampling features, per request.
 * P7 ``EngineCore.preprocess_add_request``: the same refusal for requests that
   reach the engine core without P4 (engine).
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.vllm_adapter import gpu_opt_in, hooks, plugin_hooks
+from vllm_ddtree.vllm_adapter import gpu_opt_in, hooks, plugin_hooks, plugin_runner
 
 SUPPORTED_VLLM = "0.32."
 _installed = False
@@ -78,7 +80,9 @@ def install() -> None:
             VllmConfig._get_v2_model_runner_unsupported_features
         )
     )
-    GPUModelRunner.__init__ = hooks.model_runner_init_hook(GPUModelRunner.__init__)
+    GPUModelRunner.__init__ = plugin_runner.model_runner_init_hook(
+        GPUModelRunner.__init__
+    )
     InputProcessor.process_inputs = hooks.process_inputs_hook(
         InputProcessor.process_inputs
     )

@@ -20,7 +20,8 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.tree import DraftTree, build_ddtree
-from vllm_ddtree.vllm_adapter.config import DDTreeConfig
+from vllm_ddtree.vllm_adapter import attn_context
+from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 
 __all__ = ["DDTreeProposer"]
 
@@ -28,11 +29,11 @@ __all__ = ["DDTreeProposer"]
 class DDTreeProposer(DFlashProposer):
     """DFlash drafting + DDTree construction (https://arxiv.org/abs/2604.12989)."""
 
-    def __init__(
-        self, vllm_config, device: torch.device, ddtree: DDTreeConfig, runner=None
-    ):
+    def __init__(self, vllm_config, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
-        self.ddtree = ddtree
+        ddtree = get_ddtree_config(vllm_config)
+        assert ddtree is not None, "DDTreeProposer needs method='ddtree'"
+        self.ddtree: DDTreeConfig = ddtree
         # Drafted positions per request: the tree's maximum depth.
         self.draft_len = min(ddtree.draft_len, ddtree.budget)
         self._draft_logits: torch.Tensor | None = None
@@ -57,6 +58,12 @@ class DDTreeProposer(DFlashProposer):
         # Set by the runner before each pass: whether the step just run verified
         # any draft (else none of its rows was rejected).
         self.verified_drafts = True
+
+    def load_model(self, target_model, *args, **kwargs) -> None:
+        # Every target attention layer is checked now, at engine start: a layer
+        # the tree attention cannot serve must never reach a verify forward.
+        attn_context.check_model_tree_attention(target_model)
+        super().load_model(target_model, *args, **kwargs)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # hidden_states: [R * L, H], the mask positions, request-major.

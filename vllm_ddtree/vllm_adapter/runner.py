@@ -1,28 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The V1 model-runner hooks of a ddtree step.
+"""The model runner's ddtree side: :class:`DDTreeVerifier`.
 
-A step of vLLM's V1 runner with ddtree on:
+With ``method="ddtree"`` the V1 model runner owns a ``DDTreeVerifier``
+(``runner.ddtree``) and a :class:`~vllm_ddtree.vllm_adapter.proposer.DDTreeProposer`
+(``runner.drafter``), and calls the verifier where a ddtree step differs from a
+DFlash chain step:
 
-1. ``_prepare_inputs``: vLLM lays out each request's ``[root] + drafts`` rows with
-   linear positions and slots. The tree structure is re-attached to the
-   scheduled drafts (:mod:`.step`), the RoPE positions of tree rows become
-   ``root position + depth``, and the tree attention batch is described.
-2. ``_model_forward``: the target runs with ancestor-only attention inside each
-   tree (the attention backend reads the active tree batch).
-3. ``_sample``: tree verification
+1. ``_prepare_inputs`` -> :meth:`DDTreeVerifier.prepare_tree_inputs`: vLLM lays
+   out each request's ``[root] + drafts`` rows with linear positions and slots;
+   the tree structure is re-attached to the scheduled drafts (:mod:`.step`), the
+   RoPE positions of tree rows become ``root position + depth``, and the tree
+   attention batch is described.
+2. ``_model_forward`` -> :meth:`DDTreeVerifier.tree_attention`: the target runs
+   with ancestor-only attention inside each tree.
+3. ``_sample`` -> :meth:`DDTreeVerifier.sample`: tree verification
    (:func:`vllm_ddtree.verify.verify_tree`) instead of the chain
-   rejection sampler; its committed tokens have the chain sampler's
-   ``[R, W]`` ``-1``-padded shape, so vLLM's bookkeeping and scheduler work
-   unchanged (the scheduler rolls back ``drafts - accepted`` tokens). The
-   accepted path's K/V is then moved to contiguous slots
-   (:mod:`vllm_ddtree.commit`).
-4. ``propose_draft_token_ids``: linear positions are restored and the accepted
-   path's hidden states are moved first in each block, so the DFlash drafter sees
-   exactly the committed sequence as context; the new trees are stashed.
+   rejection sampler; its committed tokens have the chain sampler's ``[R, W]``
+   ``-1``-padded shape, so vLLM's bookkeeping and scheduler work unchanged (the
+   scheduler rolls back ``drafts - accepted`` tokens). The accepted path's K/V is
+   then moved to contiguous slots (:mod:`vllm_ddtree.commit`).
+4. ``propose_draft_token_ids`` -> :meth:`DDTreeVerifier.before_propose` /
+   :meth:`DDTreeVerifier.after_propose`: linear positions are restored and the
+   accepted path's hidden states are moved first in each block, so the DFlash
+   drafter sees exactly the committed sequence as context; the new trees are
+   stashed.
+
+Besides: ``execute_model`` / ``sample_tokens`` time the step for the auto budget
+(:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),
+``initialize_kv_cache`` profiles its step costs
+(:meth:`~DDTreeVerifier.profile_step_costs`), ``_update_states`` drops the trees
+of finished requests (:meth:`~DDTreeVerifier.drop_requests`) and
+``_input_fits_in_drafter`` sizes the drafter's query as a block
+(:meth:`~DDTreeVerifier.input_fits_in_drafter`).
+
+In vLLM with ddtree in-tree each of these is an explicit ``if self.ddtree is not
+None:`` branch of ``GPUModelRunner``; the plugin makes the same calls from a
+runner subclass (:mod:`vllm_ddtree.vllm_adapter.plugin_runner`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -34,172 +52,178 @@ from vllm_ddtree.commit import CommitPlan, plan_commit
 from vllm_ddtree.sampling import SAMPLING_EPS, TreeSamplingParams
 from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
-from vllm_ddtree.vllm_adapter.config import DDTreeConfig
+from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.vllm_adapter.step import StepTrees, TreeStash, build_step_trees
 
-__all__ = ["DDTreeRunnerMixin", "enable_ddtree"]
+__all__ = ["DDTreeVerifier"]
 
 
-_MIXED_CLASSES: dict[type, type] = {}
 _BUDGET_LOG_INTERVAL_S = 10.0  # vLLM's default stats log interval
 logger = init_logger(__name__)
 
 
-def enable_ddtree(runner, ddtree: DDTreeConfig) -> None:
-    """Turns a constructed V1 runner into a ddtree runner (class swap + drafter)."""
-    from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
+class DDTreeVerifier:
+    """Tree verify inputs, tree sampling and KV commit of a V1 model runner's
+    steps, and the DFlash drafter's inputs from the committed path
+    (https://arxiv.org/abs/2604.12989).
 
-    cls = type(runner)
-    if cls not in _MIXED_CLASSES:
-        _MIXED_CLASSES[cls] = type(
-            f"DDTree{cls.__name__}", (DDTreeRunnerMixin, cls), {}
+    Args:
+        runner: the ``GPUModelRunner`` (or ``CPUModelRunner``) whose drafter is a
+            ``DDTreeProposer``.
+    """
+
+    def __init__(self, runner) -> None:
+        ddtree = get_ddtree_config(runner.vllm_config)
+        assert ddtree is not None, "DDTreeVerifier needs method='ddtree'"
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # Before the target's attention layers resolve their backend (when
+            # the model is loaded).
+            from vllm_ddtree.vllm_adapter.cpu_attention import (
+                register_tree_attention_backend,
+            )
+
+            register_tree_attention_backend()
+        self.runner = runner
+        self.config: DDTreeConfig = ddtree
+        self.budget = None
+        if ddtree.budget_mode == "auto":
+            from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+
+            self.budget = BudgetController(
+                runner.drafter.draft_len,
+                ddtree.budget,
+                runner.device,
+                max_rows=runner.max_num_tokens,
+                max_reqs=runner.max_num_reqs,
+            )
+        self._budget_logged = time.monotonic()
+        self.stash = TreeStash(keep_path_probs=self.budget is not None)
+        # This step's state, from prepare_tree_inputs to after_propose.
+        self._step_clock: tuple[float, int, bool] | None = None
+        self._drafter_seconds = 0.0
+        self._propose_started = 0.0
+        self._step: StepTrees | None = None
+        self._linear_positions: torch.Tensor | None = None
+        self._plan: CommitPlan | None = None
+        self._attn: attn_context.TreeAttentionBatch | None = None
+        # Device-side counters (no sync): verify steps with a tree, and requests
+        # whose accepted path left the chain (a sibling was accepted somewhere).
+        self.num_tree_verifies = torch.zeros((), dtype=torch.int64, device=runner.device)
+        self.num_branch_paths = torch.zeros((), dtype=torch.int64, device=runner.device)
+
+    # ------------------------------------------------------------------ #
+    # Engine life
+    # ------------------------------------------------------------------ #
+
+    def profile_step_costs(self) -> None:
+        """The auto budget's step-cost model, fitted on this machine (after the
+        KV cache exists, before serving)."""
+        if self.budget is not None:
+            runner = self.runner
+            self.budget.profile(runner, min(runner.max_num_tokens, 512))
+
+    def input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """Whether the drafter's query fits under max_model_len this step.
+
+        vLLM blanks every draft of the batch unless the longest sequence plus the
+        drafter's query fits, and sizes that query as num_speculative_tokens + 1
+        (a DFlash chain). The ddtree drafter queries its block, draft_len + 1
+        rows, whatever the tree budget B: without this a budget B needed 2B + 2
+        free positions instead of B + draft_len + 2.
+        """
+        if common_attn_metadata is None:
+            return False
+        return (
+            common_attn_metadata.max_seq_len + self.config.draft_len + 1
+            <= self.runner.effective_drafter_max_model_len
         )
-    runner.__class__ = _MIXED_CLASSES[cls]
-    runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, ddtree, runner)
-    runner._ddtree = ddtree
-    runner._ddtree_budget = None
-    if ddtree.budget_mode == "auto":
-        from vllm_ddtree.vllm_adapter.budget_control import BudgetController
 
-        runner._ddtree_budget = BudgetController(
-            runner.drafter.draft_len,
-            ddtree.budget,
-            runner.device,
-            max_rows=runner.max_num_tokens,
-            max_reqs=runner.max_num_reqs,
-        )
-    runner._ddtree_budget_logged = time.monotonic()
-    runner._ddtree_stash = TreeStash(keep_path_probs=runner._ddtree_budget is not None)
-    runner._ddtree_step_clock = None
-    runner._ddtree_drafter_seconds = 0.0
-    runner._ddtree_step = None
-    runner._ddtree_linear_positions = None
-    runner._ddtree_plan = None
-    runner._ddtree_attn = None
-    # Device-side counters (no sync): verify steps with a tree, and requests
-    # whose accepted path left the chain (a sibling was accepted somewhere).
-    runner.ddtree_num_tree_verifies = torch.zeros(
-        (), dtype=torch.int64, device=runner.device
-    )
-    runner.ddtree_num_branch_paths = torch.zeros(
-        (), dtype=torch.int64, device=runner.device
-    )
+    # ------------------------------------------------------------------ #
+    # A step
+    # ------------------------------------------------------------------ #
 
-
-class DDTreeRunnerMixin:
-    _ddtree: DDTreeConfig
-    _ddtree_stash: TreeStash
-    _ddtree_step: StepTrees | None
-    _ddtree_linear_positions: torch.Tensor | None
-    _ddtree_plan: CommitPlan | None
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        if self._ddtree_budget is not None:
-            self._ddtree_step_clock = (
+    def step_started(self, scheduler_output) -> None:
+        """Start of ``execute_model``: the auto budget times the step from here."""
+        if self.budget is not None:
+            self._step_clock = (
                 time.perf_counter(),
                 scheduler_output.total_num_scheduled_tokens,
                 bool(scheduler_output.scheduled_spec_decode_tokens),
             )
-            self._ddtree_drafter_seconds = 0.0
-        return super().execute_model(scheduler_output, *args, **kwargs)
+            self._drafter_seconds = 0.0
 
-    def sample_tokens(self, *args, **kwargs):
-        out = super().sample_tokens(*args, **kwargs)
-        clock = self._ddtree_step_clock
-        if self._ddtree_budget is not None and clock is not None:
-            # Host time of the step: on CPU the work itself; the stash's
-            # device->host copy of the trees has synchronized before this point.
-            seconds = time.perf_counter() - clock[0] - self._ddtree_drafter_seconds
-            self._ddtree_budget.record_step(clock[1], seconds, tree=clock[2])
-            self._ddtree_step_clock = None
-            now = time.monotonic()
-            if now - self._ddtree_budget_logged >= _BUDGET_LOG_INTERVAL_S:
-                # Beside vLLM's own periodic stats lines (one host read per line).
-                self._ddtree_budget_logged = now
-                logger.info(self._ddtree_budget.stats_line())
-        return out
+    def step_finished(self) -> None:
+        """End of ``sample_tokens``: the step's host time, drafter excluded, is a
+        sample of the auto budget's step-cost model."""
+        clock = self._step_clock
+        if self.budget is None or clock is None:
+            return
+        # Host time of the step: on CPU the work itself; the stash's
+        # device->host copy of the trees has synchronized before this point.
+        seconds = time.perf_counter() - clock[0] - self._drafter_seconds
+        self.budget.record_step(clock[1], seconds, tree=clock[2])
+        self._step_clock = None
+        now = time.monotonic()
+        if now - self._budget_logged >= _BUDGET_LOG_INTERVAL_S:
+            # Beside vLLM's own periodic stats lines (one host read per line).
+            self._budget_logged = now
+            logger.info(self.budget.stats_line())
 
-    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        is_profiling = kwargs.get("is_profiling", args[0] if args else False)
-        if self._ddtree_budget is not None and not is_profiling:
-            # The auto budget's step-cost model, fitted on this machine now.
-            budget = self._ddtree_budget
-            max_rows = min(self.max_num_tokens, 512)
-            budget.profile(self, max_rows)
+    def drop_requests(self, scheduler_output) -> None:
+        """Start of ``_update_states``: finished and preempted requests lose their
+        trees. Unscheduled requests keep theirs (they leave the batch for a step
+        under token-budget pressure). Here, not in ``_prepare_inputs``: a step
+        with no tokens still finishes requests."""
+        self.stash.drop(scheduler_output.finished_req_ids)
+        self.stash.drop(scheduler_output.preempted_req_ids)
 
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        # Every target attention layer is checked now, at engine start: a layer
-        # the tree attention cannot serve must never reach a verify forward.
-        attn_context.check_model_tree_attention(self.get_model())
-
-    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
-        # vLLM blanks every draft of the batch unless the longest sequence plus
-        # the drafter's query fits under max_model_len, and sizes that query as
-        # num_speculative_tokens + 1 (a DFlash chain). The ddtree drafter queries
-        # its block, draft_len + 1 rows, whatever the tree budget B: without this
-        # a budget B needed 2B + 2 free positions instead of B + draft_len + 2.
-        if common_attn_metadata is None:
-            return False
-        return (
-            common_attn_metadata.max_seq_len + self._ddtree.draft_len + 1
-            <= self.effective_drafter_max_model_len
-        )
-
-    def _update_states(self, scheduler_output):
-        # Unscheduled requests keep their trees (they leave the batch for a step
-        # under token-budget pressure); finished and preempted ones do not. Here,
-        # not in _prepare_inputs: a step with no tokens still finishes requests.
-        self._ddtree_stash.drop(scheduler_output.finished_req_ids)
-        self._ddtree_stash.drop(scheduler_output.preempted_req_ids)
-        return super()._update_states(scheduler_output)
-
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._ddtree_step = None
-        self._ddtree_plan = None
-        self._ddtree_linear_positions = None
-        spec_decode_metadata = out[1]
-        num_reqs = self.input_batch.num_reqs
-        req_ids = list(self.input_batch.req_ids[:num_reqs])
+    def prepare_tree_inputs(self, scheduler_output, spec_decode_metadata) -> None:
+        """End of ``_prepare_inputs``: the trees of the scheduled drafts, their
+        RoPE positions (root + depth) and the tree attention batch."""
+        runner = self.runner
+        self._step = None
+        self._plan = None
+        self._linear_positions = None
         if spec_decode_metadata is None:
-            return out
-
+            return
+        num_reqs = runner.input_batch.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
         total = scheduler_output.total_num_scheduled_tokens
-        query_start = self.query_start_loc.cpu[: num_reqs + 1].tolist()
+        query_start = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = [len(scheduled.get(r, ())) for r in req_ids]
         if not any(num_drafts):
             # vLLM builds spec-decode metadata for every step; with no draft at
             # all this is a plain decode step (one row per request, no tree).
-            return out
+            return
         starts = [query_start[b + 1] - n - 1 for b, n in enumerate(num_drafts)]
-        input_ids = self.input_ids.gpu[:total]
+        input_ids = runner.input_ids.gpu[:total]
         roots = input_ids[torch.tensor(starts, device=input_ids.device)].tolist()
         step = build_step_trees(
             req_ids,
             scheduled,
             query_start[1:],
             roots,
-            self._ddtree_stash,
-            self.positions.device,
+            self.stash,
+            runner.positions.device,
         )
 
         # RoPE positions of tree rows: root position + depth (slots stay linear).
-        linear = self.positions[:total].clone()
+        linear = runner.positions[:total].clone()
         tree = step.tree
         offsets = torch.arange(tree.num_rows, device=linear.device)
         counts = torch.tensor(num_drafts, device=linear.device)
         real = offsets.unsqueeze(0) <= counts.unsqueeze(1)
         rows = (step.block_starts.unsqueeze(1) + offsets.unsqueeze(0))[real]
         root_pos = linear[step.block_starts]
-        self.positions[rows] = (root_pos.unsqueeze(1) + tree.depths)[real]
+        runner.positions[rows] = (root_pos.unsqueeze(1) + tree.depths)[real]
 
         # Root-only blocks attend as the stock kernel does: only real trees are listed.
         tree_reqs = [b for b in range(num_reqs) if num_drafts[b] > 0]
         root_positions = root_pos.tolist()
-        self._ddtree_attn = attn_context.TreeAttentionBatch.from_tree(
+        self._attn = attn_context.TreeAttentionBatch.from_tree(
             tree,
             tree_rows=tree_reqs,
             req_indices=tree_reqs,
@@ -207,44 +231,44 @@ class DDTreeRunnerMixin:
             num_rows=[num_drafts[b] + 1 for b in tree_reqs],
             prefix_lens=[root_positions[b] for b in tree_reqs],
         )
-        self._ddtree_step = step
-        self._ddtree_linear_positions = linear
-        return out
+        self._step = step
+        self._linear_positions = linear
 
-    def _model_forward(self, *args, **kwargs):
-        batch = self._ddtree_attn if self._ddtree_step is not None else None
+    def tree_attention(self) -> contextlib.AbstractContextManager:
+        """Around ``_model_forward``: ancestor-only attention inside each tree of
+        this step (a no-op without trees)."""
+        batch = self._attn if self._step is not None else None
         if batch is None or not batch.requests:
-            return super()._model_forward(*args, **kwargs)
-        with attn_context.tree_attention(batch):
-            return super()._model_forward(*args, **kwargs)
+            return contextlib.nullcontext()
+        return attn_context.tree_attention(batch)
 
-    def _sample(self, logits, spec_decode_metadata):
-        if logits is None:
-            return super()._sample(logits, spec_decode_metadata)
-        num_reqs = self.input_batch.num_reqs
-        extras = _scan_requests(self, num_reqs)
+    def sample(self, logits, spec_decode_metadata) -> SamplerOutput:
+        """``_sample``: tree verification and the KV commit of the accepted paths
+        (or, in a step without drafts, one row per request)."""
+        runner = self.runner
+        num_reqs = runner.input_batch.num_reqs
+        extras = _scan_requests(runner, num_reqs)
         # Seeded requests draw their coins from (seed, output position), never from
         # vLLM's per-request torch generators (see _seeded_coins). Drop those, so
         # that _bookkeeping_sync's generator rewind for discarded rows (partial
         # prefill chunks) has nothing to rewind: it would raise on CPU generators
         # ("CPU Generator does not use offset") and move unused ones on GPU.
-        if self.input_batch.generators:
-            self.input_batch.generators.clear()
-        step = self._ddtree_step
+        if runner.input_batch.generators:
+            runner.input_batch.generators.clear()
+        step = self._step
         if step is None or spec_decode_metadata is None:
             # No drafts in this step: one row per request. vLLM's sampler is right
             # unless a request needs what it skips under speculative decoding
             # (min_p, logit_bias) or is seeded (our coins keep a seeded request's
             # output independent of its batch and of the step kind).
             if not extras.needs_own_sampler:
-                # One logits row per request (no drafts): vLLM's plain sampler.
-                return super()._sample(logits, None)
+                return runner.sampler(
+                    logits=logits, sampling_metadata=runner.input_batch.sampling_metadata
+                )
             device = logits.device
             tree = _root_only_tree(num_reqs, device)
             rows = torch.arange(num_reqs, device=device).unsqueeze(1)
-            out, logprobs = _verify_batch(
-                self, tree, rows, logits, extras, None, width=1
-            )
+            out, logprobs = _verify_batch(self, tree, rows, logits, extras, None, width=1)
             return SamplerOutput(
                 sampled_token_ids=out.committed_tokens[:, :1].to(torch.int32),
                 logprobs_tensors=logprobs,
@@ -258,116 +282,112 @@ class DDTreeRunnerMixin:
         offsets = torch.arange(tree.num_rows, device=device).unsqueeze(0)
         index = first.unsqueeze(1) + torch.minimum(offsets, (counts - 1).unsqueeze(1))
         out, logprobs = _verify_batch(self, tree, index, logits, extras, step)
-        if self._ddtree_budget is not None:
+        if self.budget is not None:
             _calibrate(self, step, out)
-        total = int(self._ddtree_linear_positions.shape[0])
+        total = int(self._linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
-        if self._ddtree_attn.requests:
-            self._ddtree_attn.commit_kv(
-                (plan.src_rows, plan.dst_rows), row_space="batch"
-            )
-        self._ddtree_attn.release()
-        self._ddtree_plan = plan
-        self.ddtree_num_tree_verifies += len(self._ddtree_attn.requests)
-        self.ddtree_num_branch_paths += plan.moved().view(num_reqs, -1).any(dim=1).sum()
+        if self._attn.requests:
+            self._attn.commit_kv((plan.src_rows, plan.dst_rows), row_space="batch")
+        self._attn.release()
+        self._plan = plan
+        self.num_tree_verifies += len(self._attn.requests)
+        self.num_branch_paths += plan.moved().view(num_reqs, -1).any(dim=1).sum()
         return SamplerOutput(
             sampled_token_ids=out.committed_tokens.to(torch.int32),
             logprobs_tensors=logprobs,
         )
 
-    def propose_draft_token_ids(
-        self,
-        scheduler_output,
-        sampled_token_ids,
-        sampling_metadata,
-        hidden_states,
-        sample_hidden_states,
-        aux_hidden_states,
-        spec_decode_metadata,
-        common_attn_metadata,
-        slot_mappings,
-    ):
-        plan = self._ddtree_plan
+    def before_propose(
+        self, scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata
+    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+        """Start of ``propose_draft_token_ids``: the drafter's inputs from the
+        committed path.
+
+        Returns:
+            ``(aux_hidden_states, skipped)``: the target's aux hidden states with
+            each accepted path moved first in its block; and, when the auto budget
+            skips the drafter forward this step, the (empty) drafts to return at
+            once, else None.
+        """
+        runner = self.runner
+        drafter = runner.drafter
+        plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
             # The drafter reads linear positions; depth positions would put rejected
             # siblings' draft K/V on the accepted path's slots.
-            self.positions[:total] = self._ddtree_linear_positions
+            runner.positions[:total] = self._linear_positions
             if aux_hidden_states is not None:
                 aux_hidden_states = [
                     _permute_rows(h, plan.hidden_perm) for h in aux_hidden_states
                 ]
-        budget = self._ddtree_budget
-        if budget is not None:
-            num_reqs = self.input_batch.num_reqs
-            started = time.perf_counter()
-            self.drafter.flush_seconds = 0.0
-            self.drafter.draft_this_step = budget.draft_next(num_reqs)
-            self.drafter.draft_depth = budget.draft_depth
-            step = self._ddtree_step
-            self.drafter.verified_drafts = step is not None and any(step.num_drafts)
-            if not self.drafter.draft_this_step and not self.drafter.verified_drafts:
-                # Every row of the step is committed: its context K/V is queued
-                # here, without vLLM's drafter-input preparation (next tokens,
-                # rejected-row bookkeeping, hidden-state gather), which is most of
-                # a context-only step's cost and has nothing to prepare.
-                num_tokens = scheduler_output.total_num_scheduled_tokens
-                if aux_hidden_states is not None:
-                    target_hidden = torch.cat(
-                        [h[:num_tokens] for h in aux_hidden_states], dim=-1
-                    )
-                else:
-                    target_hidden = hidden_states[:num_tokens]
-                self.drafter.defer_context(
-                    target_hidden,
-                    self._get_positions(num_tokens),
-                    common_attn_metadata.slot_mapping,
-                )
-                seconds = time.perf_counter() - started
-                # Out of the target step's time, but out of the pass-cost sample
-                # too: a flush (here, at max_deferred_rows) writes queued rows.
-                self._ddtree_drafter_seconds = seconds
-                budget.record_drafter(
-                    False, num_reqs, seconds - self.drafter.flush_seconds
-                )
-                return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
-        draft = super().propose_draft_token_ids(
-            scheduler_output,
-            sampled_token_ids,
-            sampling_metadata,
-            hidden_states,
-            sample_hidden_states,
-            aux_hidden_states,
-            spec_decode_metadata,
-            common_attn_metadata,
-            slot_mappings,
+        budget = self.budget
+        if budget is None:
+            return aux_hidden_states, None
+        num_reqs = runner.input_batch.num_reqs
+        self._propose_started = time.perf_counter()
+        drafter.flush_seconds = 0.0
+        drafter.draft_this_step = budget.draft_next(num_reqs)
+        drafter.draft_depth = budget.draft_depth
+        step = self._step
+        drafter.verified_drafts = step is not None and any(step.num_drafts)
+        if drafter.draft_this_step or drafter.verified_drafts:
+            return aux_hidden_states, None
+        # Every row of the step is committed: its context K/V is queued here,
+        # without vLLM's drafter-input preparation (next tokens, rejected-row
+        # bookkeeping, hidden-state gather), which is most of a context-only
+        # step's cost and has nothing to prepare.
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        if aux_hidden_states is not None:
+            target_hidden = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+        else:
+            target_hidden = hidden_states[:num_tokens]
+        drafter.defer_context(
+            target_hidden,
+            runner._get_positions(num_tokens),
+            common_attn_metadata.slot_mapping,
         )
-        if self.drafter.last_tree is not None:
-            num_reqs = self.input_batch.num_reqs
+        seconds = time.perf_counter() - self._propose_started
+        # Out of the target step's time, but out of the pass-cost sample too: a
+        # flush (here, at max_deferred_rows) writes queued rows.
+        self._drafter_seconds = seconds
+        budget.record_drafter(False, num_reqs, seconds - drafter.flush_seconds)
+        self._step = None
+        self._plan = None
+        return aux_hidden_states, torch.empty(
+            num_reqs, 0, dtype=torch.int64, device=runner.device
+        )
+
+    def after_propose(self, draft):
+        """End of ``propose_draft_token_ids``: the new trees are stashed; the
+        scheduler gets each request's real nodes."""
+        runner = self.runner
+        drafter = runner.drafter
+        budget = self.budget
+        if drafter.last_tree is not None:
+            num_reqs = runner.input_batch.num_reqs
             # Lists of each request's real nodes, not the [R, B] padded tensor:
             # the scheduler then schedules (and the spec-decode counters count)
             # real nodes only, and the stash finds the whole tree again.
-            tree = self.drafter.last_tree
+            tree = drafter.last_tree
             if budget is not None:
                 tree = dataclasses.replace(tree, num_nodes=budget.choose(tree))
-            draft = self._ddtree_stash.put(
-                list(self.input_batch.req_ids[:num_reqs]), tree
-            )
-            self.drafter.last_tree = None
+            draft = self.stash.put(list(runner.input_batch.req_ids[:num_reqs]), tree)
+            drafter.last_tree = None
         if budget is not None:
-            seconds = time.perf_counter() - started
-            self._ddtree_drafter_seconds = seconds
+            seconds = time.perf_counter() - self._propose_started
+            self._drafter_seconds = seconds
             # The first full pass after context-only steps also flushes their
             # queued context K/V (up to max_deferred_rows rows): a cost of those
             # steps, not of drafting, so the pass-cost sample leaves it out.
             budget.record_drafter(
-                self.drafter.draft_this_step,
-                self.input_batch.num_reqs,
-                seconds - self.drafter.flush_seconds,
-                self.drafter.draft_depth,
+                drafter.draft_this_step,
+                runner.input_batch.num_reqs,
+                seconds - drafter.flush_seconds,
+                drafter.draft_depth,
             )
-        self._ddtree_step = None
-        self._ddtree_plan = None
+        self._step = None
+        self._plan = None
         return draft
 
 
@@ -562,7 +582,7 @@ def _apply_history_edits(runner, target, metadata, rows: list[int], step) -> Non
 
 
 def _verify_batch(
-    runner,
+    verifier: DDTreeVerifier,
     tree,
     flat_rows: torch.Tensor,
     logits: torch.Tensor,
@@ -578,6 +598,7 @@ def _verify_batch(
     edits float32 logits: a bf16 edit would round) and ``logits`` stays untouched
     for raw logprobs. ``step``: the step's trees (None: root-only rows).
     ``width``: committed columns the caller returns (logprobs rows per request)."""
+    runner = verifier.runner
     metadata = runner.input_batch.sampling_metadata
     num_reqs = tree.num_reqs
     device = logits.device
@@ -587,7 +608,7 @@ def _verify_batch(
         target_logits = target_logits.float()  # (indexing made the copy)
         _apply_constraints(runner, target_logits, tree.depths, metadata, extras, step)
     params = _sampling_params(metadata, num_reqs, device, extras.min_p)
-    ddtree = runner._ddtree
+    ddtree = verifier.config
     method = ddtree.verify
     coins = None
     if extras.seeded_rows:
@@ -616,16 +637,16 @@ def _verify_batch(
     return out, logprobs
 
 
-def _calibrate(runner, step: StepTrees, out) -> None:
+def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     """Feeds the auto budget what the target accepted of the verified trees."""
-    req_ids = runner.input_batch.req_ids
+    req_ids = verifier.runner.input_batch.req_ids
     tree = step.tree
     probs = torch.zeros(tree.num_reqs, tree.num_rows)
     verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
     for b, n in enumerate(step.num_drafts):
         if n == 0:
             continue
-        found = runner._ddtree_stash.path_probs_for(req_ids[b], step.tokens[b][1:])
+        found = verifier.stash.path_probs_for(req_ids[b], step.tokens[b][1:])
         if found is not None:
             probs[b, 1 : n + 1] = torch.tensor(found)
             verified[b, 1 : n + 1] = True
@@ -634,7 +655,7 @@ def _calibrate(runner, step: StepTrees, out) -> None:
         verified = verified.to(device)
         # Requests verified as a chain (no stored probabilities) count nowhere.
         accepted = torch.where(verified.any(dim=1), out.num_accepted, 0)
-        runner._ddtree_budget.calibration.update(
+        verifier.budget.calibration.update(
             probs.to(device), tree.depths, verified, accepted
         )
 
