@@ -463,24 +463,10 @@ RUNNER_EDITS = [
         "            int(num_sampled_tokens.max()),\n",
     ),
     (
-        "        return self.model(\n"
-        "            input_ids=input_ids,\n"
-        "            positions=positions,\n"
-        "            intermediate_tensors=intermediate_tensors,\n"
-        "            inputs_embeds=inputs_embeds,\n"
-        "            **model_kwargs,\n"
-        "        )\n",
-        "        tree_attention = (\n"
-        "            nullcontext() if self.ddtree is None else self.ddtree.tree_attention()\n"
-        "        )\n"
-        "        with tree_attention:\n"
-        "            return self.model(\n"
-        "                input_ids=input_ids,\n"
-        "                positions=positions,\n"
-        "                intermediate_tensors=intermediate_tensors,\n"
-        "                inputs_embeds=inputs_embeds,\n"
-        "                **model_kwargs,\n"
-        "            )\n",
+        "        return attn_metadata, spec_decode_common_attn_metadata\n",
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.attach_tree_metadata(attn_metadata)\n"
+        "        return attn_metadata, spec_decode_common_attn_metadata\n",
     ),
     (
         "        self.input_batch.update_async_output_token_ids()\n",
@@ -731,7 +717,7 @@ creates a `DDTreeProposer` (a `DFlashProposer` that builds each request's
 tree from the block's logits) and a `DDTreeVerifier` (`self.ddtree`), and
 calls the verifier from explicit `if self.ddtree is not None:` branches where
 a ddtree step differs: tree verify inputs and positions (`_prepare_inputs`),
-ancestor-only attention (`_model_forward`), tree verification and the KV
+the trees in the target's attention metadata (`_build_attention_metadata`), tree verification and the KV
 commit of the accepted path (`_sample`), the committed path's hidden states
 for the next DFlash round (`propose_draft_token_ids`), the drafter's block
 query (`_input_fits_in_drafter`), finished requests' trees

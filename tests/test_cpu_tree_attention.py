@@ -49,7 +49,6 @@ def _model_dtype(monkeypatch):
     holder = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: holder)
     yield holder
-    attn_context.clear()
 
 
 def make_impl(cls, head_dim, **kwargs):
@@ -271,10 +270,10 @@ class Scenario:
                 self.layer, self.key, self.value, cache, self.metadata.slot_mapping
             )
         out = torch.zeros(self.query.shape[0], NUM_HEADS, self.head_dim, dtype=self.dtype)
-        with attn_context.tree_attention(batch):
-            impl.forward(
-                self.layer, self.query, self.key, self.value, cache, self.metadata, out
-            )
+        metadata = self.metadata
+        if batch is not None:
+            metadata = attn_context.metadata_with_tree(metadata, batch)
+        impl.forward(self.layer, self.query, self.key, self.value, cache, metadata, out)
         return out, cache
 
     def reference_tree_rows(self, drop_mask=False) -> dict[int, torch.Tensor]:
@@ -473,7 +472,6 @@ def test_commit_moves_accepted_path_to_contiguous_slots():
     ours = make_impl(DDTreeCPUAttentionImpl, 64)
     batch = sc.tree_batch()
     _, cache = sc.run(ours, batch=batch)
-    assert attn_context.current() is None and attn_context.last() is batch
 
     # Accept the path to each tree's last node (index > depth: non-identity).
     depth_cap = sc.tree.max_depth
@@ -485,7 +483,7 @@ def test_commit_moves_accepted_path_to_contiguous_slots():
     assert bool(plan.moved().any())
 
     before = cache.clone()
-    moved = attn_context.commit_kv((plan.src_rows, plan.dst_rows))
+    moved = batch.commit_kv((plan.src_rows, plan.dst_rows))
     assert moved == int(plan.moved().sum())
 
     tree_rows = sc.tree_rows()

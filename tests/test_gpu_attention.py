@@ -52,7 +52,6 @@ def stock_forward_stand_in(monkeypatch):
 
     monkeypatch.setattr(triton_attn.TritonAttentionImpl, "forward", stand_in)
     yield calls
-    attn_context.clear()
 
 
 def make_impl(**kwargs) -> DDTreeTritonAttentionImpl:
@@ -151,16 +150,15 @@ class Scenario:
         output = output.to(DEVICE)
         layer = layer or SimpleNamespace(layer_name="layers.0.attn")
         cache = (self.kv_cache if kv_cache is None else kv_cache).to(DEVICE)
-        with attn_context.tree_attention(batch):
-            impl.forward(
-                layer,
-                self.query.to(DEVICE),
-                None,
-                None,
-                cache,
-                self.metadata,
-                output,
-            )
+        impl.forward(
+            layer,
+            self.query.to(DEVICE),
+            None,
+            None,
+            cache,
+            attn_context.metadata_with_tree(self.metadata, batch),
+            output,
+        )
         return output.cpu()
 
 
@@ -205,10 +203,10 @@ def test_without_a_tree_batch_the_impl_is_stock(stock_forward_stand_in):
     assert bool((output == MARKER).all())
     # Profiling runs (no metadata) and encoder layers are never touched either.
     batch = sc.batch()
-    with attn_context.tree_attention(batch):
-        impl.forward(None, sc.query, None, None, sc.kv_cache, None, output.zero_())
-        encoder = make_impl(attn_type=AttentionType.ENCODER_ONLY)
-        encoder.forward(None, sc.query, None, None, sc.kv_cache, sc.metadata, output)
+    impl.forward(None, sc.query, None, None, sc.kv_cache, None, output.zero_())
+    encoder = make_impl(attn_type=AttentionType.ENCODER_ONLY)
+    metadata = attn_context.metadata_with_tree(sc.metadata, batch)
+    encoder.forward(None, sc.query, None, None, sc.kv_cache, metadata, output)
     assert bool((output == MARKER).all()) and not batch.stash
     assert len(stock_forward_stand_in) == 3
 
@@ -216,18 +214,18 @@ def test_without_a_tree_batch_the_impl_is_stock(stock_forward_stand_in):
 def test_one_plan_per_forward_and_a_stash_per_layer():
     sc = Scenario()
     impl, batch = make_impl(), sc.batch()
-    with attn_context.tree_attention(batch):
-        for name in ("layers.0.attn", "layers.1.attn"):
-            output = torch.zeros(sc.num_tokens, NUM_HEADS * HEAD, device=DEVICE)
-            impl.forward(
-                SimpleNamespace(layer_name=name),
-                sc.query.to(DEVICE),
-                None,
-                None,
-                sc.kv_cache.to(DEVICE),
-                sc.metadata,
-                output,
-            )
+    metadata = attn_context.metadata_with_tree(sc.metadata, batch)  # one forward
+    for name in ("layers.0.attn", "layers.1.attn"):
+        output = torch.zeros(sc.num_tokens, NUM_HEADS * HEAD, device=DEVICE)
+        impl.forward(
+            SimpleNamespace(layer_name=name),
+            sc.query.to(DEVICE),
+            None,
+            None,
+            sc.kv_cache.to(DEVICE),
+            metadata,
+            output,
+        )
     assert len(batch._plans) == 1
     assert sorted(batch.stash) == ["layers.0.attn", "layers.1.attn"]
     stash = batch.stash["layers.0.attn"]

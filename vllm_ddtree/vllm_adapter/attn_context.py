@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The "current tree-attention batch" of the verify forward, and its K/V stash.
+"""The tree-attention batch of a verify forward, in its attention metadata.
 
-The runner sets a :class:`TreeAttentionBatch` around the **target** model's forward
-only (never around the drafter's or a dummy run)::
+The runner's :class:`~vllm_ddtree.vllm_adapter.runner.DDTreeVerifier`
+describes each verify step's trees as a :class:`TreeAttentionBatch`; after the
+step's attention metadata is built, the target's tree-aware builders
+(:class:`TreeAttentionMetadataBuilderMixin`) give their metadata the batch as
+``metadata.tree`` (:func:`metadata_with_tree`). Only the target's verify
+forward gets it: dummy runs and the drafter's pass build metadata without one.
 
-    with attn_context.tree_attention(batch):
-        hidden = model(...)
-
-While it is active, ``DDTreeCPUAttentionImpl.forward`` (``cpu_attention.py``) gives
-the tree rows of every listed request ancestor-only attention, and stashes each
-layer's tree-block K/V so that :func:`commit_kv` can later move the accepted path
-to contiguous cache slots. The batch object outlives the ``with`` block: the
-commit runs after the forward, from ``_sample``.
+While a layer's metadata carries a tree, ``DDTreeCPUAttentionImpl.forward``
+(``cpu_attention.py``) gives the tree rows of every listed request ancestor-only
+attention, and stashes each layer's tree-block K/V in the batch so that
+:meth:`TreeAttentionBatch.commit_kv` can later move the accepted path to
+contiguous cache slots (from ``_sample``, after the forward).
 
 Row spaces
 ----------
@@ -43,8 +44,8 @@ Per-layer stash (:class:`LayerKVStash`), ``M`` = total tree rows of the batch:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,15 +56,11 @@ __all__ = [
     "TreeAttentionBatch",
     "TreeAttentionImplMixin",
     "TreeRequest",
+    "TreeAttentionMetadataBuilderMixin",
     "check_model_tree_attention",
-    "clear",
-    "commit_kv",
-    "current",
-    "last",
+    "metadata_with_tree",
     "override_attention_backend",
     "refuse_unsupported",
-    "set",
-    "tree_attention",
 ]
 
 
@@ -167,27 +164,38 @@ class TreeAttentionBatch:
         num_rows: Sequence[int],
         prefix_lens: Sequence[int],
         stash_kv: bool = True,
+        visibility_buffer: torch.Tensor | None = None,
     ) -> TreeAttentionBatch:
         """Builds the batch from a :class:`vllm_ddtree.tree.DraftTree`.
 
         ``tree_rows[k]`` is the row of ``tree`` (request axis) describing listed
         request ``k``; its visibility is ``tree.visibility[tree_rows[k], :T, :T]``
         with ``T = num_rows[k]`` (a prefix-closed truncation of the tree).
+        ``visibility_buffer``: a preallocated host ``[max_reqs, R, R]`` bool
+        buffer (R >= every T) the masks are copied into (request ``k`` at
+        ``[k, :T, :T]``); without it each mask is a new tensor.
         """
         vis = tree.visibility.to("cpu")
-        reqs = tuple(
-            TreeRequest(
-                req_index=int(ri),
-                row_offset=int(off),
-                num_rows=int(t),
-                prefix_len=int(nc),
-                visibility=vis[int(tr), : int(t), : int(t)].contiguous(),
+        reqs = []
+        for k, (tr, ri, off, t, nc) in enumerate(
+            zip(tree_rows, req_indices, row_offsets, num_rows, prefix_lens, strict=True)
+        ):
+            t = int(t)
+            mask = vis[int(tr), :t, :t]
+            if visibility_buffer is not None:
+                mask = visibility_buffer[k, :t, :t].copy_(mask)
+            else:
+                mask = mask.contiguous()
+            reqs.append(
+                TreeRequest(
+                    req_index=int(ri),
+                    row_offset=int(off),
+                    num_rows=t,
+                    prefix_len=int(nc),
+                    visibility=mask,
+                )
             )
-            for tr, ri, off, t, nc in zip(
-                tree_rows, req_indices, row_offsets, num_rows, prefix_lens, strict=True
-            )
-        )
-        return cls(reqs, stash_kv=stash_kv)
+        return cls(tuple(reqs), stash_kv=stash_kv)
 
     @classmethod
     def from_block_starts(
@@ -431,7 +439,7 @@ class TreeAttentionImplMixin:
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        batch = current()
+        batch = getattr(attn_metadata, "tree", None)
         tree_active = (
             batch is not None
             and attn_metadata is not None
@@ -458,59 +466,25 @@ class TreeAttentionImplMixin:
         return result
 
 
-_CURRENT: TreeAttentionBatch | None = None
-_LAST: TreeAttentionBatch | None = None
+def metadata_with_tree(metadata, batch: TreeAttentionBatch):
+    """A copy of a backend's attention metadata that carries ``batch`` as
+    ``tree``: the metadata of a verify forward. (The stock metadata classes are
+    plain dataclasses; the copy is shallow, so every tensor is shared.)"""
+    metadata = copy.copy(metadata)
+    metadata.tree = batch
+    return metadata
 
 
-def set(batch: TreeAttentionBatch | None) -> None:  # noqa: A001 - module API
-    """Makes ``batch`` the current tree-attention batch (None clears)."""
-    global _CURRENT, _LAST
-    if batch is not None and not isinstance(batch, TreeAttentionBatch):
-        raise TypeError(f"expected a TreeAttentionBatch, got {type(batch).__name__}")
-    _CURRENT = batch
-    if batch is not None:
-        _LAST = batch
+class TreeAttentionMetadataBuilderMixin:
+    """The metadata builder of a tree-aware backend (put it before the stock
+    builder): :meth:`with_tree` gives a verify step's metadata its trees.
 
+    The runner calls it once per step, after the step's metadata is built, for
+    the target's attention groups only; a metadata without ``tree`` (every other
+    build: dummy runs, the drafter's pass, steps without drafts) attends as the
+    stock backend does.
+    """
 
-def clear() -> None:
-    """No tree attention from now on (the last batch stays reachable by last())."""
-    global _CURRENT
-    _CURRENT = None
-
-
-def current() -> TreeAttentionBatch | None:
-    """The active batch, or None outside a target verify forward."""
-    return _CURRENT
-
-
-def last() -> TreeAttentionBatch | None:
-    """The most recently set batch, active or not (for the commit after the forward)."""
-    return _LAST
-
-
-@contextlib.contextmanager
-def tree_attention(
-    batch: TreeAttentionBatch | None,
-) -> Iterator[TreeAttentionBatch | None]:
-    """``with tree_attention(batch):`` sets it for the block, then restores."""
-    global _CURRENT
-    previous = _CURRENT
-    set(batch)
-    try:
-        yield batch
-    finally:
-        _CURRENT = previous
-
-
-def commit_kv(
-    moves: tuple[torch.Tensor, torch.Tensor],
-    batch: TreeAttentionBatch | None = None,
-    row_space: str = "tree",
-) -> int:
-    """:meth:`TreeAttentionBatch.commit_kv` on ``batch`` (default: the current
-    batch, else the most recently set one)."""
-    if batch is None:
-        batch = _CURRENT if _CURRENT is not None else _LAST
-    if batch is None:
-        raise RuntimeError("commit_kv: no tree-attention batch was set")
-    return batch.commit_kv(moves, row_space=row_space)
+    def with_tree(self, metadata, batch: TreeAttentionBatch):
+        """``metadata`` for a forward over ``batch``'s trees."""
+        return metadata_with_tree(metadata, batch)

@@ -40,6 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
 )
 
 from vllm_ddtree.vllm_adapter import attn_context
@@ -47,6 +48,7 @@ from vllm_ddtree.vllm_adapter import attn_context
 __all__ = [
     "DDTreeCPUAttentionBackend",
     "DDTreeCPUAttentionImpl",
+    "DDTreeCPUAttentionMetadataBuilder",
     "PackedLayoutError",
     "packed_layout",
     "register_tree_attention_backend",
@@ -323,7 +325,7 @@ def _plan(batch, metadata, block_size) -> _ForwardPlan:
 class DDTreeCPUAttentionImpl(
     attn_context.TreeAttentionImplMixin, CPUAttentionBackendImpl
 ):
-    """CPU_ATTN impl; tree rows get ancestor-only attention under a tree context."""
+    """CPU_ATTN impl: with a tree in its metadata, tree rows attend ancestor-only."""
 
     BACKEND_NAME = "CPU"
 
@@ -397,12 +399,23 @@ class DDTreeCPUAttentionImpl(
             )
 
 
+class DDTreeCPUAttentionMetadataBuilder(
+    attn_context.TreeAttentionMetadataBuilderMixin, CPUAttentionMetadataBuilder
+):
+    """CPU_ATTN's builder; a verify step's metadata carries its trees."""
+
+
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):
-    """``CPU_ATTN`` (same name, builder, metadata and KV write), DDTree-aware impl."""
+    """``CPU_ATTN`` (same name, metadata and KV write), DDTree-aware builder and
+    impl."""
 
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:
+        return DDTreeCPUAttentionMetadataBuilder
 
     @staticmethod
     def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:

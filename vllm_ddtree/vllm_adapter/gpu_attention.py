@@ -3,8 +3,9 @@
 
 ``DDTreeTritonAttentionBackend`` replaces vLLM's ``TRITON_ATTN`` (same name,
 builder, metadata and KV-cache write). Its impl runs the stock kernel for the whole
-batch, then, only while a tree-attention batch is active (``attn_context``, set by
-the runner around the target forward) and only for decoder self-attention layers,
+batch, then, only when the layer's attention metadata carries a tree-attention
+batch (``metadata.tree``, the target's verify forward; ``attn_context``) and only
+for decoder self-attention layers,
 recomputes the rows of every listed tree block with
 :func:`vllm_ddtree.ops.tree_attention.tree_attention_triton`: the committed prefix
 in full, the tree block's own keys by the request's ancestor mask. Every other row
@@ -35,6 +36,7 @@ import torch
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
 )
 
 from vllm_ddtree.ops.kv_commit import commit_kv_triton
@@ -45,6 +47,7 @@ from vllm_ddtree.vllm_adapter import attn_context
 __all__ = [
     "DDTreeTritonAttentionBackend",
     "DDTreeTritonAttentionImpl",
+    "DDTreeTritonAttentionMetadataBuilder",
     "PagedCacheStash",
     "TreeRowsPlan",
     "paged_kv_view",
@@ -184,7 +187,7 @@ def paged_kv_view(
 class DDTreeTritonAttentionImpl(
     attn_context.TreeAttentionImplMixin, TritonAttentionImpl
 ):
-    """TRITON_ATTN impl; tree rows get ancestor-only attention under a tree context."""
+    """TRITON_ATTN impl: with a tree in its metadata, tree rows attend ancestor-only."""
 
     BACKEND_NAME = "TRITON_ATTN"
 
@@ -235,12 +238,23 @@ class DDTreeTritonAttentionImpl(
             )
 
 
+class DDTreeTritonAttentionMetadataBuilder(
+    attn_context.TreeAttentionMetadataBuilderMixin, TritonAttentionMetadataBuilder
+):
+    """TRITON_ATTN's builder; a verify step's metadata carries its trees."""
+
+
 class DDTreeTritonAttentionBackend(TritonAttentionBackend):
-    """``TRITON_ATTN`` (same name, builder, metadata and KV write), DDTree-aware."""
+    """``TRITON_ATTN`` (same name, metadata and KV write), DDTree-aware builder
+    and impl."""
 
     @staticmethod
     def get_name() -> str:
         return "TRITON_ATTN"
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeTritonAttentionMetadataBuilder]:
+        return DDTreeTritonAttentionMetadataBuilder
 
     @staticmethod
     def get_impl_cls() -> type[DDTreeTritonAttentionImpl]:

@@ -81,9 +81,12 @@ class DDTreeRunnerMixin:
         self.ddtree.prepare_tree_inputs(scheduler_output, out[1])
         return out
 
-    def _model_forward(self, *args, **kwargs):
-        with self.ddtree.tree_attention():
-            return super()._model_forward(*args, **kwargs)
+    def _build_attention_metadata(self, *args, **kwargs):
+        attn_metadata, spec_decode_common_attn_metadata = (
+            super()._build_attention_metadata(*args, **kwargs)
+        )
+        self.ddtree.attach_tree_metadata(attn_metadata)
+        return attn_metadata, spec_decode_common_attn_metadata
 
     def _sample(self, logits, spec_decode_metadata):
         if logits is None:

@@ -11,8 +11,9 @@ DFlash chain step:
    the tree structure is re-attached to the scheduled drafts (:mod:`.step`), the
    RoPE positions of tree rows become ``root position + depth``, and the tree
    attention batch is described.
-2. ``_model_forward`` -> :meth:`DDTreeVerifier.tree_attention`: the target runs
-   with ancestor-only attention inside each tree.
+2. ``_build_attention_metadata`` -> :meth:`DDTreeVerifier.attach_tree_metadata`:
+   the target's tree-aware builders give the step's attention metadata its trees,
+   so the verify forward attends ancestor-only inside each tree.
 3. ``_sample`` -> :meth:`DDTreeVerifier.sample`: tree verification
    (:func:`vllm_ddtree.verify.verify_tree`) instead of the chain
    rejection sampler; its committed tokens have the chain sampler's ``[R, W]``
@@ -40,7 +41,6 @@ runner subclass (:mod:`vllm_ddtree.vllm_adapter.plugin_runner`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 
@@ -108,6 +108,10 @@ class DDTreeVerifier:
         self._linear_positions: torch.Tensor | None = None
         self._plan: CommitPlan | None = None
         self._attn: attn_context.TreeAttentionBatch | None = None
+        # [max_reqs, B + 1, B + 1] bool: this step's ancestor masks (host side),
+        # allocated once.
+        rows = ddtree.budget + 1
+        self._visibility = torch.zeros(runner.max_num_reqs, rows, rows, dtype=torch.bool)
         # Device-side counters (no sync): verify steps with a tree, and requests
         # whose accepted path left the chain (a sibling was accepted somewhere).
         self.num_tree_verifies = torch.zeros((), dtype=torch.int64, device=runner.device)
@@ -230,17 +234,38 @@ class DDTreeVerifier:
             row_offsets=[starts[b] - query_start[b] for b in tree_reqs],
             num_rows=[num_drafts[b] + 1 for b in tree_reqs],
             prefix_lens=[root_positions[b] for b in tree_reqs],
+            visibility_buffer=self._visibility,
         )
         self._step = step
         self._linear_positions = linear
 
-    def tree_attention(self) -> contextlib.AbstractContextManager:
-        """Around ``_model_forward``: ancestor-only attention inside each tree of
-        this step (a no-op without trees)."""
+    def attach_tree_metadata(self, attn_metadata) -> None:
+        """End of ``_build_attention_metadata``: the target's tree-aware builders
+        give this step's attention metadata its trees (``metadata.tree``), so the
+        verify forward attends ancestor-only inside each tree. No-op in a step
+        without trees and in dummy runs.
+
+        Args:
+            attn_metadata: layer name -> metadata, as the runner built it
+                (replaced in place for the target's attention groups).
+        """
         batch = self._attn if self._step is not None else None
         if batch is None or not batch.requests:
-            return contextlib.nullcontext()
-        return attn_context.tree_attention(batch)
+            return
+        assert isinstance(attn_metadata, dict), "ddtree runs without micro-batching"
+        for groups in self.runner.attn_groups:
+            for group in groups:
+                builder = group.get_metadata_builder()
+                if not isinstance(
+                    builder, attn_context.TreeAttentionMetadataBuilderMixin
+                ):
+                    continue
+                names = [n for n in group.layer_names if n in attn_metadata]
+                if not names:
+                    continue
+                metadata = builder.with_tree(attn_metadata[names[0]], batch)
+                for name in names:
+                    attn_metadata[name] = metadata
 
     def sample(self, logits, spec_decode_metadata) -> SamplerOutput:
         """``_sample``: tree verification and the KV commit of the accepted paths
