@@ -369,6 +369,21 @@ def export_latest(workdir: Path, target_dir: str, config: TrainConfig, out_dir: 
     return out_dir
 
 
+def _lr_history(losses: list[dict]) -> str:
+    """The learning rate the steps actually ran at (from the log: a run resumed
+    with another ``steps`` changes its schedule from then on)."""
+    if not losses:
+        return "Learning rate: no step logged."
+    peak = max(r["lr"] for r in losses)
+    at_peak = [r["step"] for r in losses if r["lr"] >= peak * (1 - 1e-6)]
+    decayed = [r for r in losses if r["step"] > at_peak[-1]]
+    text = f"Learning rate as run: {peak:g} from step {at_peak[0]} to {at_peak[-1]}"
+    if decayed:
+        text += (f", then down to {decayed[-1]['lr']:g} at step {decayed[-1]['step']}"
+                 " (the log's per-step values)")
+    return text + "."
+
+
 def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
                           model: DFlashDrafter | None = None) -> None:
     """``TRAINING.md`` (provenance, data, config, curve table) and ``training_curve.png``."""
@@ -425,6 +440,8 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
         "",
         f"Steps done: {losses[-1]['step'] if losses else 0} of {config.steps}; "
         f"{sum(r['predictions'] for r in losses):,} block-position predictions.",
+        "",
+        _lr_history(losses),
         "",
         f"## Held-out curve (64 of the sequences i % {config.val_every_nth_seq} == 0, "
         "evenly spread over the length-ordered index)",
