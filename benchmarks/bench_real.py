@@ -211,8 +211,9 @@ def acceptance(delta: dict) -> tuple[float | None, list[float]]:
 def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, dict | None]:
     specs: dict[str, dict | None] = {"nospec": None}
     specs["dflash"] = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain_k}
+    # The fixed chain (the auto budget, the default, would trim and skip it).
     specs["chain"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": chain_k,
-                      "ddtree_max_children": 1}
+                      "ddtree_max_children": 1, "ddtree_budget": "fixed"}
     for b in budgets:
         specs[f"ddtree-{b}"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": b,
                                 "ddtree_budget": "fixed"}
