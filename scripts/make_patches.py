@@ -3,9 +3,12 @@
 0.32.0 in-tree, as a ``git format-patch`` series.
 
 One source of truth: every new vLLM file is a copy of a package module (imports
-rewritten, then ``ruff format`` / ``ruff check --fix`` with vLLM's rules), and the
-edits of existing vLLM files only put the decorators of
-``vllm_ddtree/vllm_adapter/hooks.py`` on the methods the plugin wraps at run time.
+rewritten, then ``ruff format`` / ``ruff check --fix`` with vLLM's rules). The
+edits of existing vLLM files: ``"ddtree"`` in ``SpeculativeConfig`` with fields
+made from ``DDTreeConfig`` (``CONFIG_EDITS``), the ``GPUModelRunner`` branches that
+call ``DDTreeVerifier`` where the plugin's runner subclass does
+(``RUNNER_EDITS``), and the decorators of ``vllm_ddtree/vllm_adapter/hooks.py``
+on the request methods the plugin wraps at run time (``HOOK_SITES``).
 Re-run after every change; ``--check`` (run by tests/test_upstream_patches.py)
 fails when ``patches/`` is stale.
 

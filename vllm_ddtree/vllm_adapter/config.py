@@ -23,6 +23,7 @@ from typing import Any, Literal
 __all__ = [
     "DDTREE_KEYS",
     "DDTreeConfig",
+    "check_no_stray_keys",
     "get_ddtree_config",
     "resolve_ddtree_config",
     "verify_speculative_config",
@@ -262,6 +263,16 @@ _DEFAULTS = {
 }
 
 
+def check_no_stray_keys(keys: list[str], method: Any) -> None:
+    """Raises ValueError if ``ddtree_*`` options ``keys`` come with a method other
+    than ``"ddtree"`` (they would be silently ignored)."""
+    if keys:
+        raise ValueError(
+            f'speculative_config keys {sorted(keys)} need "method": "ddtree" '
+            f"(got method={method!r})"
+        )
+
+
 def verify_speculative_config(vllm_config: Any) -> None:
     """Start-up check of a ``VllmConfig`` whose ``SpeculativeConfig`` has the
     typed ``ddtree_*`` fields (vLLM with ddtree in-tree).
@@ -275,12 +286,9 @@ def verify_speculative_config(vllm_config: Any) -> None:
     if spec is None:
         return
     if spec.method != DDTREE_METHOD:
-        stray = sorted(k for k, v in _DEFAULTS.items() if getattr(spec, k) != v)
-        if stray:
-            raise ValueError(
-                f'speculative_config keys {stray} need "method": "ddtree" '
-                f"(got method={spec.method!r})"
-            )
+        check_no_stray_keys(
+            [k for k, v in _DEFAULTS.items() if getattr(spec, k) != v], spec.method
+        )
         return
     resolved = resolve_ddtree_config(
         spec, spec.ddtree, vllm_config.model_config, vllm_config.cache_config.cache_dtype

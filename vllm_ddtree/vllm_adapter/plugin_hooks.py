@@ -25,6 +25,7 @@ from vllm_ddtree.vllm_adapter.config import (
     DDTREE_KEYS,
     DDTREE_METHOD,
     DDTreeConfig,
+    check_no_stray_keys,
     get_ddtree_config,
     resolve_ddtree_config,
 )
@@ -101,14 +102,10 @@ def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
     :class:`DDTreeConfig`. Raises ValueError naming the offending key.
     """
     if spec.get("method") != DDTREE_METHOD:
-        stray = sorted(
-            k for k in spec if str(k).replace("-", "_").startswith("ddtree_")
+        check_no_stray_keys(
+            [k for k in spec if str(k).replace("-", "_").startswith("ddtree_")],
+            spec.get("method"),
         )
-        if stray:
-            raise ValueError(
-                f'speculative_config keys {stray} need "method": "ddtree" '
-                f"(got method={spec.get('method')!r})"
-            )
         return None
     unknown = sorted(
         k
