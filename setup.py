@@ -63,6 +63,8 @@ def compiled_extensions():
                     os.path.join("csrc", "bindings.cpp"),
                 ],
                 include_dirs=[os.path.join(here, "csrc")],
+                # The stable ABI's CUDA shim (current stream) is behind USE_CUDA.
+                define_macros=[("USE_CUDA", None)],
                 extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
             )
         )

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Torch binding of the DDTree tree verification kernel (csrc/tree_verify.cuh),
-// registered as torch.ops.vllm_ddtree.tree_verify in csrc/bindings.cpp.
+// Host side of the DDTree tree verification kernel (tree_verify.cuh): argument
+// checks and the launch, written against libtorch's stable ABI (as vLLM's own
+// kernels are). The vllm-ddtree package registers it as
+// torch.ops.vllm_ddtree.tree_verify; vLLM with ddtree in-tree as
+// torch.ops._C.ddtree_tree_verify (csrc/torch_bindings.cpp).
 //
 // R = number of requests, N + 1 = tree rows (root + node capacity), V = vocab,
 // W = max_depth + 1.
@@ -23,53 +26,76 @@
 // Every output entry is written (padding included). The launch is asynchronous
 // on the current stream; nothing here synchronizes with the device.
 
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <optional>
+#include <sstream>
+#include <string>
 
 #include "tree_verify.cuh"
 
-#define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), "Expected '" #x "' to be a CUDA tensor")
-#define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), "Expected '" #x "' to be contiguous")
-#define CHECK_INPUT(x) \
-  CHECK_CUDA(x);       \
-  CHECK_CONTIGUOUS(x)
-#define CHECK_DIM(d, x) \
-  TORCH_CHECK((x).dim() == (d), "Expected '" #x "' to be a ", (d), "D tensor, got ", (x).dim(), "D")
-#define CHECK_DTYPE(x, t)                                                              \
-  TORCH_CHECK((x).scalar_type() == (t), "Expected '" #x "' to be of type ", (t), ", got ", \
-              (x).scalar_type())
-#define CHECK_SHAPE(x, ...)                                                           \
-  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), "Expected '" #x "' to have shape ", \
-              at::IntArrayRef({__VA_ARGS__}), ", got ", (x).sizes())
-#define CHECK_SAME_DEVICE(x, y)                                                          \
-  TORCH_CHECK((x).device() == (y).device(), "Expected '" #x "' (", (x).device(),        \
-              ") to be on the same device as '" #y "' (", (y).device(), ")")
-
 namespace {
 
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+std::string ShapeString(const Tensor& x) {
+  std::ostringstream out;
+  out << "[";
+  for (int64_t d = 0; d < x.dim(); ++d) out << (d ? ", " : "") << x.size(d);
+  out << "]";
+  return out.str();
+}
+
+void CheckCudaContiguous(const Tensor& x, const char* name) {
+  STD_TORCH_CHECK(x.is_cuda(), "Expected '", name, "' to be a CUDA tensor");
+  STD_TORCH_CHECK(x.is_contiguous(), "Expected '", name, "' to be contiguous");
+}
+
+void CheckTensor(const Tensor& x, const char* name, ScalarType dtype, const char* dtype_name,
+                 std::initializer_list<int64_t> shape, const Tensor& logits) {
+  CheckCudaContiguous(x, name);
+  STD_TORCH_CHECK(x.scalar_type() == dtype, "Expected '", name, "' to be of type ", dtype_name);
+  bool same_shape = x.dim() == static_cast<int64_t>(shape.size());
+  int64_t d = 0;
+  for (int64_t size : shape) same_shape = same_shape && x.size(d++) == size;
+  STD_TORCH_CHECK(same_shape, "Expected '", name, "' to have ", shape.size(),
+                  " dims matching logits, got shape ", ShapeString(x));
+  STD_TORCH_CHECK(x.get_device_index() == logits.get_device_index(), "Expected '", name,
+                  "' to be on the same device as 'logits'");
+}
+
+cudaStream_t CurrentStream(int32_t device_index) {
+  void* stream = nullptr;
+  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(device_index, &stream) == AOTI_TORCH_SUCCESS,
+                  "tree_verify: cannot get the current CUDA stream");
+  return reinterpret_cast<cudaStream_t>(stream);
+}
+
 template <typename DType>
-cudaError_t LaunchTreeVerify(at::Tensor& accepted_indices, at::Tensor& committed_tokens,
-                             at::Tensor& num_accepted, const at::Tensor& logits,
-                             const at::Tensor& tokens, const at::Tensor& next_token,
-                             const at::Tensor& next_sibling, const float* temperature,
-                             const float* node_coins, const float* final_coins,
-                             int64_t max_depth, int64_t method, double threshold_single,
-                             double threshold_acc, cudaStream_t stream) {
+cudaError_t LaunchTreeVerify(Tensor& accepted_indices, Tensor& committed_tokens,
+                             Tensor& num_accepted, const Tensor& logits, const Tensor& tokens,
+                             const Tensor& next_token, const Tensor& next_sibling,
+                             const float* temperature, const float* node_coins,
+                             const float* final_coins, int64_t max_depth, int64_t method,
+                             double threshold_single, double threshold_acc, cudaStream_t stream) {
   ddtree::TreeVerifyParams<DType> params;
-  params.accepted_indices = accepted_indices.data_ptr<int64_t>();
-  params.committed_tokens = committed_tokens.data_ptr<int64_t>();
-  params.num_accepted = num_accepted.data_ptr<int64_t>();
-  params.logits = reinterpret_cast<const DType*>(logits.data_ptr());
+  params.accepted_indices = accepted_indices.mutable_data_ptr<int64_t>();
+  params.committed_tokens = committed_tokens.mutable_data_ptr<int64_t>();
+  params.num_accepted = num_accepted.mutable_data_ptr<int64_t>();
+  params.logits = reinterpret_cast<const DType*>(logits.const_data_ptr());
   params.logits_stride_req = logits.stride(0);
   params.logits_stride_row = logits.stride(1);
-  params.tokens = tokens.data_ptr<int64_t>();
-  params.next_token = next_token.data_ptr<int64_t>();
-  params.next_sibling = next_sibling.data_ptr<int64_t>();
+  params.tokens = tokens.const_data_ptr<int64_t>();
+  params.next_token = next_token.const_data_ptr<int64_t>();
+  params.next_sibling = next_sibling.const_data_ptr<int64_t>();
   params.temperature = temperature;
   params.node_coins = node_coins;
   params.final_coins = final_coins;
@@ -85,145 +111,103 @@ cudaError_t LaunchTreeVerify(at::Tensor& accepted_indices, at::Tensor& committed
 
 }  // namespace
 
-void tree_verify(at::Tensor& accepted_indices, at::Tensor& committed_tokens,
-                 at::Tensor& num_accepted, const at::Tensor& logits, const at::Tensor& tokens,
-                 const at::Tensor& next_token, const at::Tensor& next_sibling,
-                 const std::optional<at::Tensor>& temperature,
-                 const std::optional<at::Tensor>& node_coins,
-                 const std::optional<at::Tensor>& final_coins, int64_t max_depth,
-                 int64_t method, double threshold_single, double threshold_acc) {
+void ddtree_tree_verify(Tensor& accepted_indices, Tensor& committed_tokens, Tensor& num_accepted,
+                        const Tensor& logits, const Tensor& tokens, const Tensor& next_token,
+                        const Tensor& next_sibling, const std::optional<Tensor>& temperature,
+                        const std::optional<Tensor>& node_coins,
+                        const std::optional<Tensor>& final_coins, int64_t max_depth,
+                        int64_t method, double threshold_single, double threshold_acc) {
   // logits: [R, N + 1, V], any float type the kernel reads; rows may be strided.
-  CHECK_CUDA(logits);
-  CHECK_DIM(3, logits);
-  const at::ScalarType dtype = logits.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "Expected 'logits' to be of type float32, float16 or bfloat16, got ", dtype);
+  STD_TORCH_CHECK(logits.is_cuda(), "Expected 'logits' to be a CUDA tensor");
+  STD_TORCH_CHECK(logits.dim() == 3, "Expected 'logits' to be a 3D tensor, got ",
+                  logits.dim(), "D");
+  const ScalarType dtype = logits.scalar_type();
+  STD_TORCH_CHECK(
+      dtype == ScalarType::Float || dtype == ScalarType::Half || dtype == ScalarType::BFloat16,
+      "Expected 'logits' to be of type float32, float16 or bfloat16");
   const int64_t num_reqs = logits.size(0);
   const int64_t num_rows = logits.size(1);
   const int64_t vocab = logits.size(2);
-  TORCH_CHECK(num_rows >= 1, "'logits' needs at least one tree row (the root), got shape ",
-              logits.sizes());
-  TORCH_CHECK(vocab >= 1, "'logits' needs vocab_size >= 1, got shape ", logits.sizes());
-  TORCH_CHECK(logits.stride(2) == 1 || vocab == 1,
-              "Expected 'logits' to be contiguous in its last (vocab) dimension, got strides ",
-              logits.strides());
+  STD_TORCH_CHECK(num_rows >= 1, "'logits' needs at least one tree row (the root), got shape ",
+                  ShapeString(logits));
+  STD_TORCH_CHECK(vocab >= 1, "'logits' needs vocab_size >= 1, got shape ", ShapeString(logits));
+  STD_TORCH_CHECK(logits.stride(2) == 1 || vocab == 1,
+                  "Expected 'logits' to be contiguous in its last (vocab) dimension");
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-  TORCH_CHECK(num_reqs <= kInt32Max && num_rows <= kInt32Max && vocab <= kInt32Max,
-              "tree_verify supports at most 2^31 - 1 requests, tree rows and vocab entries, got ",
-              logits.sizes());
-  TORCH_CHECK(max_depth >= 0 && max_depth < kInt32Max, "max_depth must be >= 0, got ",
-              max_depth);
-  TORCH_CHECK(method == ddtree::kSampleWalk || method == ddtree::kRejection,
-              "method must be 0 (sample_walk) or 1 (rejection), got ", method);
-  TORCH_CHECK(threshold_single > 0.0 && threshold_single <= 1.0,
-              "threshold_single must be in (0, 1], got ", threshold_single);
-  TORCH_CHECK(threshold_acc > 0.0 && threshold_acc <= 1.0,
-              "threshold_acc must be in (0, 1], got ", threshold_acc);
+  STD_TORCH_CHECK(num_reqs <= kInt32Max && num_rows <= kInt32Max && vocab <= kInt32Max,
+                  "tree_verify supports at most 2^31 - 1 requests, tree rows and vocab "
+                  "entries, got ",
+                  ShapeString(logits));
+  STD_TORCH_CHECK(max_depth >= 0 && max_depth < kInt32Max, "max_depth must be >= 0, got ",
+                  max_depth);
+  STD_TORCH_CHECK(method == ddtree::kSampleWalk || method == ddtree::kRejection,
+                  "method must be 0 (sample_walk) or 1 (rejection), got ", method);
+  STD_TORCH_CHECK(threshold_single > 0.0 && threshold_single <= 1.0,
+                  "threshold_single must be in (0, 1], got ", threshold_single);
+  STD_TORCH_CHECK(threshold_acc > 0.0 && threshold_acc <= 1.0,
+                  "threshold_acc must be in (0, 1], got ", threshold_acc);
 
   // The tree: [R, N + 1] int64 each.
-  CHECK_INPUT(tokens);
-  CHECK_INPUT(next_token);
-  CHECK_INPUT(next_sibling);
-  CHECK_DTYPE(tokens, at::kLong);
-  CHECK_DTYPE(next_token, at::kLong);
-  CHECK_DTYPE(next_sibling, at::kLong);
-  CHECK_SHAPE(tokens, num_reqs, num_rows);
-  CHECK_SHAPE(next_token, num_reqs, num_rows);
-  CHECK_SHAPE(next_sibling, num_reqs, num_rows);
-  CHECK_SAME_DEVICE(tokens, logits);
-  CHECK_SAME_DEVICE(next_token, logits);
-  CHECK_SAME_DEVICE(next_sibling, logits);
+  CheckTensor(tokens, "tokens", ScalarType::Long, "int64", {num_reqs, num_rows}, logits);
+  CheckTensor(next_token, "next_token", ScalarType::Long, "int64", {num_reqs, num_rows}, logits);
+  CheckTensor(next_sibling, "next_sibling", ScalarType::Long, "int64", {num_reqs, num_rows},
+              logits);
 
   // Outputs (mutable): [R, W] int64 twice and [R] int64.
   const int64_t width = max_depth + 1;
-  CHECK_INPUT(accepted_indices);
-  CHECK_INPUT(committed_tokens);
-  CHECK_INPUT(num_accepted);
-  CHECK_DTYPE(accepted_indices, at::kLong);
-  CHECK_DTYPE(committed_tokens, at::kLong);
-  CHECK_DTYPE(num_accepted, at::kLong);
-  CHECK_SHAPE(accepted_indices, num_reqs, width);
-  CHECK_SHAPE(committed_tokens, num_reqs, width);
-  CHECK_SHAPE(num_accepted, num_reqs);
-  CHECK_SAME_DEVICE(accepted_indices, logits);
-  CHECK_SAME_DEVICE(committed_tokens, logits);
-  CHECK_SAME_DEVICE(num_accepted, logits);
+  CheckTensor(accepted_indices, "accepted_indices", ScalarType::Long, "int64", {num_reqs, width},
+              logits);
+  CheckTensor(committed_tokens, "committed_tokens", ScalarType::Long, "int64", {num_reqs, width},
+              logits);
+  CheckTensor(num_accepted, "num_accepted", ScalarType::Long, "int64", {num_reqs}, logits);
 
   // Sampling inputs: all three, or none (every request greedy).
   const float* temperature_ptr = nullptr;
   const float* node_coins_ptr = nullptr;
   const float* final_coins_ptr = nullptr;
   if (temperature.has_value()) {
-    const at::Tensor& temp = *temperature;
-    TORCH_CHECK(node_coins.has_value() && final_coins.has_value(),
-                "'node_coins' and 'final_coins' are required when 'temperature' is given");
-    const at::Tensor& coins = *node_coins;
-    const at::Tensor& final_c = *final_coins;
-    CHECK_INPUT(temp);
-    CHECK_INPUT(coins);
-    CHECK_INPUT(final_c);
-    CHECK_DTYPE(temp, at::kFloat);
-    CHECK_DTYPE(coins, at::kFloat);
-    CHECK_DTYPE(final_c, at::kFloat);
-    CHECK_SHAPE(temp, num_reqs);
-    CHECK_SHAPE(coins, num_reqs, num_rows);
-    CHECK_SHAPE(final_c, num_reqs);
-    CHECK_SAME_DEVICE(temp, logits);
-    CHECK_SAME_DEVICE(coins, logits);
-    CHECK_SAME_DEVICE(final_c, logits);
-    temperature_ptr = temp.data_ptr<float>();
-    node_coins_ptr = coins.data_ptr<float>();
-    final_coins_ptr = final_c.data_ptr<float>();
+    STD_TORCH_CHECK(node_coins.has_value() && final_coins.has_value(),
+                    "'node_coins' and 'final_coins' are required when 'temperature' is given");
+    CheckTensor(*temperature, "temperature", ScalarType::Float, "float32", {num_reqs}, logits);
+    CheckTensor(*node_coins, "node_coins", ScalarType::Float, "float32", {num_reqs, num_rows},
+                logits);
+    CheckTensor(*final_coins, "final_coins", ScalarType::Float, "float32", {num_reqs}, logits);
+    temperature_ptr = temperature->const_data_ptr<float>();
+    node_coins_ptr = node_coins->const_data_ptr<float>();
+    final_coins_ptr = final_coins->const_data_ptr<float>();
   }
 
   if (num_reqs == 0) return;
-  const c10::cuda::OptionalCUDAGuard device_guard(logits.device());
+  const torch::stable::accelerator::DeviceGuard device_guard(logits.get_device_index());
   const bool greedy_only = temperature_ptr == nullptr;
   const int64_t max_rows = greedy_only ? ddtree::TreeVerifyMaxRows<true>()
                                        : ddtree::TreeVerifyMaxRows<false>();
-  TORCH_CHECK(max_rows < 0 || num_rows <= max_rows, "tree_verify: ", num_rows,
-              " tree rows per request do not fit in shared memory (at most ", max_rows,
-              " on this device)");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  STD_TORCH_CHECK(max_rows < 0 || num_rows <= max_rows, "tree_verify: ", num_rows,
+                  " tree rows per request do not fit in shared memory (at most ", max_rows,
+                  " on this device)");
+  const cudaStream_t stream = CurrentStream(logits.get_device_index());
 
   cudaError_t status = cudaSuccess;
   switch (dtype) {
-    case at::kFloat:
+    case ScalarType::Float:
       status = LaunchTreeVerify<float>(accepted_indices, committed_tokens, num_accepted, logits,
                                        tokens, next_token, next_sibling, temperature_ptr,
                                        node_coins_ptr, final_coins_ptr, max_depth, method,
                                        threshold_single, threshold_acc, stream);
       break;
-    case at::kHalf:
+    case ScalarType::Half:
       status = LaunchTreeVerify<__half>(accepted_indices, committed_tokens, num_accepted, logits,
                                         tokens, next_token, next_sibling, temperature_ptr,
                                         node_coins_ptr, final_coins_ptr, max_depth, method,
                                         threshold_single, threshold_acc, stream);
       break;
-    default:  // at::kBFloat16, checked above
+    default:  // ScalarType::BFloat16, checked above
       status = LaunchTreeVerify<__nv_bfloat16>(
           accepted_indices, committed_tokens, num_accepted, logits, tokens, next_token,
           next_sibling, temperature_ptr, node_coins_ptr, final_coins_ptr, max_depth, method,
           threshold_single, threshold_acc, stream);
       break;
   }
-  TORCH_CHECK(status == cudaSuccess, "tree_verify: kernel launch failed: ",
-              cudaGetErrorString(status));
-}
-
-// Meta / fake-tensor implementation for tracing (torch.compile): the op only
-// writes its outputs in place, so there is nothing to compute. Sizes are not
-// read (they may be symbolic); ranks are.
-void tree_verify_meta(at::Tensor& accepted_indices, at::Tensor& committed_tokens,
-                      at::Tensor& num_accepted, const at::Tensor& logits,
-                      const at::Tensor& tokens, const at::Tensor& next_token,
-                      const at::Tensor& next_sibling, const std::optional<at::Tensor>& temperature,
-                      const std::optional<at::Tensor>& node_coins,
-                      const std::optional<at::Tensor>& final_coins, int64_t max_depth,
-                      int64_t method, double threshold_single, double threshold_acc) {
-  CHECK_DIM(3, logits);
-  CHECK_DIM(2, accepted_indices);
-  CHECK_DIM(2, committed_tokens);
-  CHECK_DIM(1, num_accepted);
-  TORCH_CHECK(max_depth >= 0, "max_depth must be >= 0, got ", max_depth);
+  STD_TORCH_CHECK(status == cudaSuccess, "tree_verify: kernel launch failed: ",
+                  cudaGetErrorString(status));
 }

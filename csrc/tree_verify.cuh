@@ -3,7 +3,7 @@
 // DDTree tree verification: which draft path the target accepts.
 //
 // Device code and host launchers only (no torch), so this header compiles with
-// plain nvcc; csrc/tree_verify.cu holds the torch binding.
+// plain nvcc; tree_verify.cu holds the torch binding.
 //
 // One thread block per request. A request's walk starts at the root (node 0) and,
 // at each visited node `cur`, uses row `cur` of the target logits (the target's

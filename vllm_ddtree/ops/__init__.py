@@ -30,10 +30,8 @@ def _triton_usable() -> bool:
 
 
 def cuda_extension_available() -> bool:
-    try:
-        from vllm_ddtree.ops import cuda_ext
-    except ImportError:  # the upstream series ships the Triton and torch paths
-        return False
+    from vllm_ddtree.ops import cuda_ext
+
     return cuda_ext.load() is not None
 
 

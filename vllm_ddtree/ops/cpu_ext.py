@@ -19,13 +19,14 @@ from vllm_ddtree.ops.extension import load_extension
 __all__ = ["load", "load_error"]
 
 EXTENSION = "vllm_ddtree._C_cpu"
+NAMESPACE = "vllm_ddtree"
 
 
 def load():
     """The ``torch.ops.vllm_ddtree`` namespace if the extension loads, else ``None``."""
-    return load_extension(EXTENSION, "build_tree_cpu")[0]
+    return load_extension(EXTENSION, "build_tree_cpu", NAMESPACE)[0]
 
 
 def load_error() -> str | None:
     """Why :func:`load` returned ``None`` (``None`` if it loaded)."""
-    return load_extension(EXTENSION, "build_tree_cpu")[1]
+    return load_extension(EXTENSION, "build_tree_cpu", NAMESPACE)[1]

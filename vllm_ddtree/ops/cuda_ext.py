@@ -1,20 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CUDA extension ``vllm_ddtree._C`` (sources in ``csrc/``): loader and wrappers.
+"""The CUDA tree-verify operator: loader and Python API.
 
-The extension is optional: ``setup.py`` builds it only when a CUDA build of torch
-and the CUDA toolkit are both present. :func:`load` never raises; it returns
-``None`` when the extension is missing or cannot be loaded (e.g. built against
-another torch), and the dispatcher then falls back to Triton or torch.
+Sources: ``tree_verify.cuh`` (the kernel, torch-free) and ``tree_verify.cu`` (its
+stable-ABI torch binding) in ``csrc/``. The library ``_EXTENSION`` registers the
+operator as ``torch.ops.<_NAMESPACE>.<_OPERATOR>``: this package's optional
+extension (built by ``setup.py`` only where a CUDA build of torch and the CUDA
+toolkit are both present), or, with ddtree in-tree, vLLM's own stable-ABI
+library. :func:`load` never raises; it returns ``None`` when the operator is
+missing or cannot be loaded (e.g. built against another torch), and the
+dispatcher then falls back to Triton or torch.
 
-Operators (``torch.ops.vllm_ddtree``):
-
-* ``tree_verify``: tree verification with the contract of
-  :func:`vllm_ddtree.verify.verify_tree_torch` (greedy requests, ``sample_walk``
-  and target-only ``rejection``), one thread block per request. Wrapped by
-  :func:`tree_verify_cuda`.
+The operator: tree verification with the contract of
+``verify.verify_tree_torch`` (greedy requests, ``sample_walk`` and target-only
+``rejection``), one thread block per request. Wrapped by
+:func:`tree_verify_cuda`; its fake (meta) implementation, for tracing, is
+registered here on load.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -22,20 +27,36 @@ from vllm_ddtree.ops.extension import load_extension
 
 __all__ = ["load", "load_error", "tree_verify_cuda"]
 
+# Where the operator lives (the patch series points these at vLLM's library).
 _EXTENSION = "vllm_ddtree._C"
+_NAMESPACE = "vllm_ddtree"
+_OPERATOR = "tree_verify"
 _METHODS = {"sample_walk": 0, "rejection": 1}
 _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _load() -> tuple[object | None, str | None]:
-    return load_extension(_EXTENSION, "tree_verify")
+    ops, why = load_extension(_EXTENSION, _OPERATOR, _NAMESPACE)
+    if ops is None:
+        return None, why
+    try:
+        _register_fake(f"{_NAMESPACE}::{_OPERATOR}")
+    except Exception as exc:  # e.g. another library registered one already
+        return None, f"registering the fake implementation failed: {exc}"
+    return getattr(ops, _OPERATOR), None
+
+
+@functools.cache
+def _register_fake(name: str) -> None:
+    # The operator only writes its outputs in place: nothing to compute.
+    torch.library.register_fake(name)(lambda *args: None)
 
 
 def load():
-    """The ``torch.ops.vllm_ddtree`` namespace if the extension loads, else ``None``.
+    """The tree-verify operator if the extension loads, else ``None``.
 
-    Imports ``vllm_ddtree._C`` on first use (which registers the operators) and
-    caches the outcome; never raises.
+    Imports the extension on first use (which registers the operator) and caches
+    the outcome; never raises.
     """
     return _load()[0]
 
@@ -66,8 +87,8 @@ def tree_verify_cuda(
     """Verifies a batch of draft trees with the CUDA kernel (one block per request).
 
     Same contract as the torch reference and the Triton kernel. Kernels see only
-    temperature: apply min-p / top-k / top-p first (see
-    :func:`vllm_ddtree.ops.kernel_inputs`). R requests, N + 1 tree rows, V vocab.
+    temperature: apply min-p / top-k / top-p first (``ops.kernel_inputs``).
+    R requests, N + 1 tree rows, V vocab.
 
     Args:
         logits: [R, N + 1, V] float32 / float16 / bfloat16 target logits; row i is
@@ -96,12 +117,12 @@ def tree_verify_cuda(
         RuntimeError: the extension is not available, or the operator rejected its
             inputs.
     """
-    ops = load()
-    if ops is None:
+    op = load()
+    if op is None:
         raise RuntimeError(
-            f"the vllm_ddtree CUDA extension ({_EXTENSION}) is not available "
-            f"({load_error()}). Build it with `pip install -e . --no-build-isolation` "
-            "where a CUDA build of torch and the CUDA toolkit are installed, or use "
+            f"the DDTree CUDA operator {_NAMESPACE}.{_OPERATOR} ({_EXTENSION}) is "
+            f"not available ({load_error()}): build the extension where a CUDA "
+            "build of torch and the CUDA toolkit are installed, or use "
             "backend='triton' or backend='torch'."
         )
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
@@ -138,7 +159,7 @@ def tree_verify_cuda(
     accepted = torch.empty((num_reqs, width), dtype=torch.int64, device=device)
     committed = torch.empty((num_reqs, width), dtype=torch.int64, device=device)
     num_accepted = torch.empty((num_reqs,), dtype=torch.int64, device=device)
-    ops.tree_verify(
+    op(
         accepted,
         committed,
         num_accepted,

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Loading the optional compiled extensions (``vllm_ddtree._C``, ``._C_cpu``).
-
-Both register their operators in ``torch.ops.vllm_ddtree`` when imported.
-"""
+"""Loading an optional compiled library: import it, check that it registered
+its operator."""
 
 from __future__ import annotations
 
@@ -15,16 +13,18 @@ __all__ = ["load_extension"]
 
 
 @functools.cache
-def load_extension(module: str, operator: str) -> tuple[object | None, str | None]:
+def load_extension(
+    module: str, operator: str, namespace: str
+) -> tuple[object | None, str | None]:
     """Imports ``module`` and checks that it registered ``operator``.
 
-    Returns ``(torch.ops.vllm_ddtree, None)`` on success and ``(None, why)``
+    Returns ``(torch.ops.<namespace>, None)`` on success and ``(None, why)``
     otherwise; never raises. The outcome is cached (``load_extension.cache_clear()``
     forgets it).
     """
     try:
         importlib.import_module(module)
-        ops = torch.ops.vllm_ddtree
+        ops = getattr(torch.ops, namespace)
         getattr(ops, operator)  # raises if the library did not register it
     except Exception as exc:  # ImportError, OSError (ABI mismatch), AttributeError
         return None, f"{type(exc).__name__}: {exc}"

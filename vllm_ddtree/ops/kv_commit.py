@@ -5,9 +5,9 @@ The verify forward writes tree node ``i`` of a request at sequence position
 ``prefix_len + i`` of vLLM's paged KV cache. After verification, the accepted path
 ``[0, p_1, ..., p_a]`` must occupy positions ``prefix_len + j``, so the K/V of
 node ``p_j`` moves to depth ``j`` in every attention layer.
-:func:`vllm_ddtree.commit.plan_commit` gives these moves as flat verify rows; the
-caller maps rows to cache *slots* with the block table (vLLM's ``slot_mapping``
-convention: ``slot = block_id * block_size + block_offset``).
+``commit.plan_commit`` gives these moves as flat verify rows; the caller maps
+rows to cache *slots* with the block table (vLLM's ``slot_mapping`` convention:
+``slot = block_id * block_size + block_offset``).
 
 Layout (vLLM's FlashAttention backend), per layer::
 

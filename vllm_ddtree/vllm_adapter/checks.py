@@ -7,11 +7,31 @@ config is built, before any model is loaded. What only the built model knows
 layer, when the worker loads the model
 (:func:`vllm_ddtree.vllm_adapter.attn_context.check_model_tree_attention`), still
 before the engine serves.
+
+Platforms: the CPU runs tree attention in the CPU_ATTN backend (validated end to
+end). CUDA has a tree-aware TRITON_ATTN backend (Triton tree attention over the
+paged cache, in-cache KV commit) whose kernels are tested against the torch
+references, but no engine has run it on a GPU yet: it starts only when the user
+opts in with ``VLLM_DDTREE_UNVALIDATED_GPU=1``, and then in eager mode with
+TRITON_ATTN (:func:`gpu_engine_settings`). Every other platform is refused.
 """
 
 from __future__ import annotations
 
-__all__ = ["check_platform", "check_target", "check_target_and_platform"]
+import os
+
+__all__ = [
+    "GPU_TREE_ATTENTION_BACKEND",
+    "UNVALIDATED_GPU_ENV",
+    "check_platform",
+    "check_target",
+    "check_target_and_platform",
+    "gpu_engine_settings",
+    "gpu_opted_in",
+]
+
+UNVALIDATED_GPU_ENV = "VLLM_DDTREE_UNVALIDATED_GPU"
+GPU_TREE_ATTENTION_BACKEND = "TRITON_ATTN"
 
 
 def check_target_and_platform(
@@ -22,17 +42,65 @@ def check_target_and_platform(
     check_target(target_model_config, kv_cache_dtype)
 
 
+def gpu_opted_in(platform=None) -> bool:
+    """True on CUDA when the user opted in to the not-yet-validated GPU path."""
+    if os.environ.get(UNVALIDATED_GPU_ENV) != "1":
+        return False
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return platform.is_cuda()
+
+
 def check_platform() -> None:
-    """Refuses platforms without an ancestor-only tree attention backend."""
+    """Refuses platforms without a validated ancestor-only tree attention backend
+    (CUDA passes when opted in, see :func:`gpu_opted_in`)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        # The GPU attention backends would run tree rows causally: wrong tokens.
-        raise ValueError(
-            "ddtree's ancestor-only tree attention is implemented for vLLM's CPU "
-            "attention backend only (this build); on this platform the verify pass "
-            "would attend causally across tree branches, so ddtree is refused here"
-        )
+    if current_platform.is_cpu() or gpu_opted_in(current_platform):
+        return
+    # Any other backend would run tree rows causally: wrong tokens.
+    hint = (
+        f" (the CUDA path is written but has not run on a GPU yet: "
+        f"{UNVALIDATED_GPU_ENV}=1 enables it, eager mode with TRITON_ATTN)"
+        if current_platform.is_cuda()
+        else ""
+    )
+    raise ValueError(
+        "ddtree's ancestor-only tree attention is validated for vLLM's CPU "
+        "attention backend only; on this platform the verify pass could attend "
+        f"causally across tree branches, so ddtree is refused here{hint}"
+    )
+
+
+def gpu_engine_settings(requested_backends) -> str | None:
+    """The attention backend a ddtree engine must use on this platform.
+
+    Returns ``None`` on the CPU (vLLM's CPU_ATTN, made tree-aware by the worker)
+    and ``"TRITON_ATTN"`` on CUDA, where the caller also turns on eager mode (tree
+    shapes are not captured in CUDA graphs yet).
+
+    Args:
+        requested_backends: the attention backends the user asked for (enum
+            members or names; ``None`` entries are ignored).
+
+    Raises:
+        ValueError: on CUDA, another backend was requested.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None
+    for backend in requested_backends:
+        if backend is None:
+            continue
+        name = getattr(backend, "name", str(backend))
+        if name != GPU_TREE_ATTENTION_BACKEND:
+            raise ValueError(
+                f"ddtree on CUDA runs tree attention in the "
+                f"{GPU_TREE_ATTENTION_BACKEND} backend; attention backend {name} "
+                "was requested"
+            )
+    return GPU_TREE_ATTENTION_BACKEND
 
 
 def check_target(target_model_config, kv_cache_dtype: str = "auto") -> None:

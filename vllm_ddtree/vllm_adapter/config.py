@@ -279,9 +279,14 @@ def verify_speculative_config(vllm_config: Any) -> None:
 
     With ``method="ddtree"``: checks the drafter, target and platform
     (:func:`resolve_ddtree_config`) and writes the resolved options back to the
-    fields. With any other method, a ``ddtree_*`` field that is set is an error,
-    not an option silently ignored.
+    fields; on CUDA it also sets the engine up for the tree path (TRITON_ATTN,
+    eager mode: :func:`~vllm_ddtree.vllm_adapter.checks.gpu_engine_settings`), so
+    it runs before ``VllmConfig`` resolves compilation and CUDA graphs. With any
+    other method, a ``ddtree_*`` field that is set is an error, not an option
+    silently ignored.
     """
+    from vllm_ddtree.vllm_adapter.checks import gpu_engine_settings
+
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -295,3 +300,9 @@ def verify_speculative_config(vllm_config: Any) -> None:
     )
     for key, field in DDTREE_KEYS.items():
         setattr(spec, key, getattr(resolved, field))
+    backend = gpu_engine_settings([vllm_config.attention_config.backend])
+    if backend is not None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        vllm_config.attention_config.backend = AttentionBackendEnum[backend]
+        vllm_config.model_config.enforce_eager = True

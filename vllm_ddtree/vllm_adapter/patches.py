@@ -4,7 +4,7 @@ point calls :func:`install` once per process.
 
 P1-P3 stand in for the series' edits of vLLM's config and model runner
 (:mod:`vllm_ddtree.vllm_adapter.plugin_hooks`,
-:mod:`vllm_ddtree.vllm_adapter.plugin_runner`); P4, P7 and P8 apply the
+:mod:`vllm_ddtree.vllm_adapter.plugin_runner`); P4-P6 apply the
 decorators of :mod:`vllm_ddtree.vllm_adapter.hooks` to the vLLM methods they
 decorate in-tree in the upstream patch series (``patches/``):
 
@@ -18,11 +18,11 @@ decorate in-tree in the upstream patch series (``patches/``):
   the verifier where the series' ``GPUModelRunner`` has ``if self.ddtree is not
   None:`` branches (worker; covers CPUModelRunner).
 * P4 ``InputProcessor.process_inputs``: refused sampling features, per request.
-* P7 ``EngineCore.preprocess_add_request``: the same refusal for requests that
+* P5 ``EngineCore.preprocess_add_request``: the same refusal for requests that
   reach the engine core without P4 (engine).
-* P8 ``LLMEngine.add_request``: the same refusal for a pre-built
+* P6 ``LLMEngine.add_request``: the same refusal for a pre-built
   ``EngineCoreRequest``, before the frontend tracks it (frontend).
-* P5 (CPU only) a vLLM 0.32 bug fix for every DFlash drafter, ddtree or not:
+* P7 (CPU only) a vLLM 0.32 bug fix for every DFlash drafter, ddtree or not:
   ``DFlashQwen3Model._normalize_context_k`` normalizes all layers' context keys
   with one ``ops.rms_norm`` call and a stacked ``[num_layers, head_dim]`` weight;
   the CPU op applies row 0 (layer 0's ``k_norm``) to every layer, so layers >= 1
@@ -30,11 +30,11 @@ decorate in-tree in the upstream patch series (``patches/``):
   max logit error 0.43 on a 2-layer drafter). The CUDA op selects the row per
   layer; on CPU :func:`normalize_context_k_per_layer` normalizes per layer in
   torch (the patch series' first commit makes the same fix in-tree).
-* P6 the opt-in for the not-yet-validated CUDA path (plugin only; a no-op unless
-  ``VLLM_DDTREE_UNVALIDATED_GPU=1`` on CUDA): :mod:`.gpu_opt_in`.
-
-Only P5 changes vLLM's behaviour when ddtree is off (it fixes in-tree
-``"dflash"`` on CPU); P1-P4 and P6-P8 are no-ops unless an engine asks for ddtree.
+Only P7 changes vLLM's behaviour when ddtree is off (it fixes in-tree
+``"dflash"`` on CPU); P1-P6 are no-ops unless an engine asks for ddtree. The
+not-yet-validated CUDA path needs no patch point: the shared start-up checks
+admit it when opted in (:func:`~vllm_ddtree.vllm_adapter.checks.gpu_opted_in`),
+P1 sets its engine options and the verifier registers its attention backend.
 
 Every target is private vLLM API, so on any vLLM other than 0.32
 :func:`install` patches nothing of the above: it warns once and wraps only
@@ -47,14 +47,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.vllm_adapter import gpu_opt_in, hooks, plugin_hooks, plugin_runner
+from vllm_ddtree.vllm_adapter import hooks, plugin_hooks, plugin_runner
 
 SUPPORTED_VLLM = "0.32."
 _installed = False
 
 
 def install() -> None:
-    """Installs P1-P8 (idempotent)."""
+    """Installs P1-P7 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -91,7 +91,6 @@ def install() -> None:
     )
     LLMEngine.add_request = hooks.llm_engine_add_request_hook(LLMEngine.add_request)
     _fix_cpu_dflash_context_k_norm()
-    gpu_opt_in.install()
     _installed = True
 
 

@@ -21,6 +21,7 @@ import functools
 import os
 from typing import Any
 
+from vllm_ddtree.vllm_adapter.checks import gpu_engine_settings
 from vllm_ddtree.vllm_adapter.config import (
     DDTREE_KEYS,
     DDTREE_METHOD,
@@ -73,6 +74,12 @@ def speculative_config_hook(create_speculative_config):
             ddtree = resolve_ddtree_config(
                 result, ddtree, target_model_config, self.kv_cache_dtype
             )
+            backend = gpu_engine_settings(
+                [self.attention_backend, getattr(self.attention_config, "backend", None)]
+            )
+            if backend is not None:
+                self.attention_backend = backend
+                target_model_config.enforce_eager = True
             # A plain attribute: SpeculativeConfig forbids unknown *fields*, not
             # attributes, and pickles its __dict__ to engine and worker processes.
             object.__setattr__(result, "ddtree", ddtree)

@@ -22,34 +22,28 @@ request, with :class:`DDTreeUnsupportedParameterError`: ``LLM.generate`` raises
 it, the OpenAI server answers HTTP 400 (a streamed request: HTTP 200 and one
 error event, as for vLLM's own checks), and the engine keeps serving. Requests
 that skip ``process_inputs`` are checked where they enter instead
-(:func:`~vllm_ddtree.vllm_adapter.hooks.engine_add_request_hook`,
-:func:`~vllm_ddtree.vllm_adapter.hooks.llm_engine_add_request_hook`).
+(``EngineCore.preprocess_add_request``, ``LLMEngine.add_request``), all through
+:func:`check_request_params`.
 
 vLLM 0.32 itself refuses ``min_p`` and ``logit_bias`` under speculative decoding
 (``SamplingParams._validate_spec_decode``) and builds no min-p / logit-bias logits
-processor then. With ddtree on, :func:`wrap_process_inputs` lets them through
-(after its own checks) because the ddtree runner applies them.
-
-Hooked in as ``InputProcessor.process_inputs`` (both ``LLM`` and ``AsyncLLM`` add
-every request through it), acting only when ``get_ddtree_config(vllm_config)`` is
-set.
+processor then. With ddtree on they are let through, because the ddtree runner
+applies them: in-tree, ``_validate_spec_decode`` skips ddtree; the plugin hides
+them from vLLM's check (:func:`vllm_ddtree.vllm_adapter.hooks.process_inputs_hook`).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from vllm_ddtree.sampling import SAMPLING_EPS
 from vllm_ddtree.vllm_adapter.config import get_ddtree_config
 
 __all__ = [
     "DDTreeUnsupportedParameterError",
+    "check_request_params",
     "check_sampling_params",
-    "wrap_process_inputs",
 ]
 
 
@@ -114,6 +108,24 @@ def check_sampling_params(params, vocab_size: int | None = None) -> None:
             )
 
 
+def check_request_params(vllm_config, params) -> None:
+    """The per-request check where a request enters an engine: a no-op unless
+    ddtree is on and ``params`` is a ``SamplingParams`` (``None`` and pooling
+    params pass); else :func:`check_sampling_params`.
+
+    In vLLM with ddtree in-tree, ``InputProcessor._validate_params``,
+    ``EngineCore.preprocess_add_request`` and ``LLMEngine.add_request`` (for a
+    pre-built ``EngineCoreRequest``) call it; the plugin calls it from
+    decorators on the same methods (:mod:`.hooks`).
+    """
+    if params is None or get_ddtree_config(vllm_config) is None:
+        return
+    from vllm.sampling_params import SamplingParams
+
+    if isinstance(params, SamplingParams):
+        check_sampling_params(params, vllm_config.model_config.get_vocab_size())
+
+
 def _set_fields(obj) -> str:
     """``StructuredOutputsParams(json_object=True)``: the fields that are set."""
     fields = getattr(obj, "__dataclass_fields__", None) or {}
@@ -124,40 +136,3 @@ def _set_fields(obj) -> str:
     ]
     text = f"{type(obj).__name__}({', '.join(shown)})"
     return text if len(text) <= 200 else text[:197] + "..."
-
-
-def wrap_process_inputs(orig):
-    """``InputProcessor.process_inputs`` with the ddtree request checks."""
-    signature = inspect.signature(orig)
-
-    @functools.wraps(orig)
-    def process_inputs(self, *args, **kwargs):
-        if get_ddtree_config(self.vllm_config) is None:
-            return orig(self, *args, **kwargs)
-        from vllm.sampling_params import SamplingParams
-
-        bound = signature.bind(self, *args, **kwargs)
-        params = bound.arguments.get("params")
-        if not isinstance(params, SamplingParams):
-            return orig(self, *args, **kwargs)
-        check_sampling_params(params, self.model_config.get_vocab_size())
-        # vLLM refuses min_p and logit_bias under any speculative decoding; hide
-        # them from its check (on a private copy) and put them back on the
-        # request's own params, which the worker reads.
-        kept = {}
-        if params.min_p > SAMPLING_EPS:
-            kept["min_p"] = params.min_p
-        if params.logit_bias:
-            kept["logit_bias"] = dict(params.logit_bias)
-        if not kept:
-            return orig(*bound.args, **bound.kwargs)
-        stripped = params.clone()
-        stripped.min_p = 0.0
-        stripped.logit_bias = None
-        bound.arguments["params"] = stripped
-        request = orig(*bound.args, **bound.kwargs)
-        for name, value in kept.items():
-            setattr(request.params, name, value)
-        return request
-
-    return process_inputs

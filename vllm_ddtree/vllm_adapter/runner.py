@@ -77,14 +77,20 @@ class DDTreeVerifier:
         assert ddtree is not None, "DDTreeVerifier needs method='ddtree'"
         from vllm.platforms import current_platform
 
+        # Before the target's attention layers resolve their backend (when the
+        # model is loaded); the start-up checks admitted only these platforms.
         if current_platform.is_cpu():
-            # Before the target's attention layers resolve their backend (when
-            # the model is loaded).
             from vllm_ddtree.vllm_adapter.cpu_attention import (
                 register_tree_attention_backend,
             )
 
             register_tree_attention_backend()
+        elif current_platform.is_cuda():
+            from vllm_ddtree.vllm_adapter.gpu_attention import (
+                register_gpu_tree_attention_backend,
+            )
+
+            register_gpu_tree_attention_backend()
         self.runner = runner
         self.config: DDTreeConfig = ddtree
         self.budget = None
