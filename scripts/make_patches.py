@@ -86,6 +86,7 @@ ADAPTER_FILES = {
         "cpu_attention",
         "gpu_attention",
         "requests",
+        "structured_output",
         "budget_control",
     )
 }
@@ -98,6 +99,8 @@ TEST_FILES = {
     "tests/test_commit.py": f"{TESTS}/test_commit.py",
     "tests/test_e2e_cpu.py": f"{TESTS}/test_e2e.py",
     "tests/test_e2e_config.py": f"{TESTS}/test_config.py",
+    "tests/test_tree_bitmask.py": f"{TESTS}/test_tree_bitmask.py",
+    "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
 }
 DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
 
@@ -245,6 +248,68 @@ REQUEST_EDITS = [
         "            if request_id != request.request_id:\n",
     ),
 ]
+# Structured outputs on draft trees: the trees' parents ride with the drafts to
+# the scheduler, whose grammar bitmask walks them (vllm_adapter/structured_output.py;
+# the plugin's P8-P10 wrap the same methods).
+_TREE_MODULE = "vllm.v1.spec_decode.ddtree.structured_output"
+STRUCTURED_EDITS = [
+    (
+        "vllm/v1/outputs.py",
+        "    # num_reqs x num_draft_tokens\n    draft_token_ids: list[list[int]]\n",
+        "    # num_reqs x num_draft_tokens\n    draft_token_ids: list[list[int]]\n"
+        "    # ddtree: num_reqs x (num_draft_tokens + 1), each draft tree's parents\n"
+        "    # (root first, node order).\n"
+        "    draft_parents: list[list[int]] | None = None\n",
+    ),
+    (
+        "vllm/v1/core/sched/scheduler.py",
+        "    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:\n",
+        "    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:\n"
+        "        if draft_token_ids.draft_parents is not None:\n"
+        "            # ddtree: the drafts are trees; their structure is kept for the\n"
+        "            # grammar bitmask.\n"
+        f"            from {_TREE_MODULE} import store_draft_trees\n\n"
+        "            store_draft_trees(self.requests, draft_token_ids)\n",
+    ),
+    (
+        "vllm/v1/structured_output/__init__.py",
+        "        if not request.use_structured_output:\n            return spec_tokens\n",
+        "        if not request.use_structured_output:\n            return spec_tokens\n"
+        "        spec_config = self.vllm_config.speculative_config\n"
+        "        if spec_config is not None and spec_config.use_ddtree():\n"
+        "            # A draft tree, not a chain: kept whole (the bitmask masks\n"
+        "            # grammar-invalid nodes out of their parents' rows).\n"
+        f"            from {_TREE_MODULE} import validate_draft_tree\n\n"
+        "            return validate_draft_tree(self, request, spec_tokens)\n",
+    ),
+    (
+        "vllm/v1/structured_output/__init__.py",
+        '    ) -> "npt.NDArray[np.int32] | None":\n'
+        "        # Prepare the structured output bitmask for this batch.\n"
+        "        if not structured_output_request_ids:\n            return None\n",
+        '    ) -> "npt.NDArray[np.int32] | None":\n'
+        "        # Prepare the structured output bitmask for this batch.\n"
+        "        if not structured_output_request_ids:\n            return None\n"
+        "        spec_config = self.vllm_config.speculative_config\n"
+        "        if spec_config is not None and spec_config.use_ddtree():\n"
+        "            # One row per tree node: the grammar state after its path.\n"
+        f"            from {_TREE_MODULE} import tree_grammar_bitmask\n\n"
+        "            return tree_grammar_bitmask(\n"
+        "                self,\n"
+        "                requests,\n"
+        "                structured_output_request_ids,\n"
+        "                scheduled_spec_decode_tokens,\n"
+        "            )\n",
+    ),
+]
+
+
+def structured_edits(tree: Path) -> None:
+    for path, old, new in STRUCTURED_EDITS:
+        file = tree / path
+        file.write_text(_edit(file.read_text(), path, old, new))
+
+
 # Import anchors of the three engine files.
 REQUEST_IMPORTS = {
     "vllm/v1/engine/input_processor.py": "from vllm.v1.engine import EngineCoreRequest",
@@ -619,6 +684,17 @@ RUNNER_EDITS = [
         "            draft_token_ids = self.ddtree.after_propose(draft_token_ids)\n"
         "        return draft_token_ids\n",
     ),
+    (
+        "        draft_token_ids, req_ids = self._get_draft_token_ids_cpu()\n"
+        "        return DraftTokenIds(req_ids, draft_token_ids)\n",
+        "        draft_token_ids, req_ids = self._get_draft_token_ids_cpu()\n"
+        "        if self.ddtree is not None:\n"
+        "            # The trees' structure, for the scheduler's grammar bitmask.\n"
+        "            return self.ddtree.attach_draft_parents(\n"
+        "                DraftTokenIds(req_ids, draft_token_ids)\n"
+        "            )\n"
+        "        return DraftTokenIds(req_ids, draft_token_ids)\n",
+    ),
 ]
 
 
@@ -658,6 +734,7 @@ def config_edits(tree: Path) -> None:
 EDITED_FILES = sorted(
     {"vllm/model_executor/models/qwen3_dflash.py"}
     | {e[0] for e in REQUEST_EDITS}
+    | {e[0] for e in STRUCTURED_EDITS}
     | {e[0] for e in CONFIG_EDITS}
     | {RUNNER}
 )
@@ -896,6 +973,15 @@ and the accepted K/V moved in the cache). The CUDA path has not run on a GPU
 yet: ddtree starts on CUDA only with VLLM_DDTREE_UNVALIDATED_GPU=1, and then
 in eager mode with TRITON_ATTN (set by the start-up check); every other GPU
 platform is refused.
+Structured outputs (xgrammar): the worker sends each tree's parents with its
+drafts (`DraftTokenIds.draft_parents`); the scheduler keeps them
+(`update_draft_token_ids`), does not cut a tree as a chain (`validate_tokens`)
+and fills one bitmask row per node with the grammar state after the node's
+path (`grammar_bitmask`: accept down, fill, roll back up; on a chain it fills
+vLLM's rows). A node the grammar rejects is masked out of its parent's row, so
+it is never accepted; only committed tokens advance the matcher. Other grammar
+backends are refused per request.
+
 One request check (`requests.check_request_params`) refuses, per request,
 what ddtree does not honour yet; it is called where requests enter:
 `InputProcessor._validate_params`, and `EngineCore.preprocess_add_request` /
@@ -908,15 +994,17 @@ sampling (temperature, top-k, top-p, min-p, seeds, n, logprobs, min_tokens,
 logit_bias, allowed_token_ids, stop conditions); presence / frequency /
 repetition penalties and bad_words per tree node, with the node's own history
 (vLLM's chain rule, through apply_all_penalties / apply_bad_words); every logit
-edit in float32; batches mixing them; the V1 model runner; tensor
-parallelism (each worker commits its own KV heads).
+edit in float32; structured outputs (json, regex, choice, grammar,
+response_format) with xgrammar; batches mixing them; the V1 model runner;
+tensor parallelism (each worker commits its own KV heads).
 Refused with a clear error: at config time async scheduling, the V2 model
 runner, PP > 1, drafters whose hidden size / vocabulary / mask token do
 not fit the target, M-RoPE and hybrid targets, sliding window, softcapping,
 ALiBi, KV sharing, quantized KV caches, platforms without validated tree
 attention (CUDA without the opt-in, ROCm, XPU, TPU); per request (HTTP 400, the engine keeps
-serving) structured outputs, the thinking budget and logprob_token_ids, which
-need a grammar / reasoning state per tree node.
+serving) structured outputs with a grammar backend other than xgrammar, the
+thinking budget (it needs a reasoning state per tree node) and
+logprob_token_ids.
 """,
     "tests": """[Spec Decode][Docs] DDTree: user guide and tests
 
@@ -1116,6 +1204,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
 
         new = copy_files(tree, ADAPTER_FILES)
         request_edits(tree)
+        structured_edits(tree)
         config_edits(tree)
         runner_edits(tree)
         ruff(tree, new)

@@ -487,20 +487,16 @@ def test_penalties_in_a_mixed_batch(reference, engine):
         assert outs[i] == list(want), name
 
 
+# Structured outputs are honoured (xgrammar); their refusal for other grammar
+# backends is tested in test_structured_outputs.py.
 REFUSED = {
-    "structured_outputs": "structured",
     "logprob_token_ids": dict(logprobs=2, logprob_token_ids=[5, 6]),
     "thinking_token_budget": dict(thinking_token_budget=8),
 }
 
 
 def refused_kwargs(name: str) -> dict:
-    kwargs = REFUSED[name]
-    if kwargs == "structured":
-        from vllm.sampling_params import StructuredOutputsParams
-
-        kwargs = dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    return kwargs
+    return REFUSED[name]
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -31,16 +31,14 @@ import json, pickle, sys
 
 
 def refused_prebuilt_request(llm, vllm, params):
-    """A request built past the frontend check (structured outputs set after
+    """A request built past the frontend check (a thinking budget set after
     process_inputs) sent to the engine core process as LLMEngine would: the
     engine answers it with FinishReason.ERROR and serves the next request."""
-    from vllm.sampling_params import StructuredOutputsParams
-
     engine = llm.llm_engine
     request = engine.input_processor.process_inputs(
         "prebuilt", {"prompt_token_ids": [1, 2, 3]}, vllm.SamplingParams(max_tokens=4),
         supported_tasks=engine.get_supported_tasks())
-    request.sampling_params.structured_outputs = StructuredOutputsParams(choice=["a", "b"])
+    request.sampling_params.thinking_token_budget = 8
     engine.input_processor.assign_request_id(request)
     engine.output_processor.add_request(request, None, None, 0)
     engine.engine_core.add_request(request)

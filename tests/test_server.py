@@ -56,6 +56,8 @@ CHATS = [
 # generation_config.json default (Qwen2.5-Instruct ships 1.05; a larger value
 # here changes this tiny target's greedy output, see test_generation_config_...).
 REPETITION_PENALTY = 1.5
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}},
+          "required": ["answer"], "additionalProperties": False}
 HEALTH_TIMEOUT = 120
 REQUEST_TIMEOUT = 60
 
@@ -78,6 +80,16 @@ def main():
             result[key + suffix] = [
                 {"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
                 for o in outs]
+    # response_format json_schema: what the server turns it into.
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=args["max_tokens"], repetition_penalty=args["repetition_penalty"],
+        structured_outputs=StructuredOutputsParams(json=args["schema"]))
+    result["json_chats"] = [
+        {"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+         "finish_reason": o.outputs[0].finish_reason}
+        for o in llm.chat(args["chats"], params, use_tqdm=False)]
     json.dump(result, open(sys.argv[2], "w"))
 
 
@@ -196,7 +208,8 @@ def setup(tmp_path_factory):
         # The plain greedy reference, computed while the server boots.
         reference = run_child_script(
             REFERENCE, {"target": target, "prompts": PROMPTS, "chats": CHATS,
-                        "max_tokens": MAX_TOKENS, "repetition_penalty": REPETITION_PENALTY},
+                        "max_tokens": MAX_TOKENS, "repetition_penalty": REPETITION_PENALTY,
+                        "schema": SCHEMA},
             root, "reference", child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=240)
         while True:
             if proc.poll() is not None:
@@ -326,7 +339,39 @@ def test_generation_config_penalty_changes_the_output(setup):
                zip(ref["completions"], ref["completions_no_penalty"]))
 
 
-REFUSED_BODY = {"structured_outputs": {"choice": ["yes", "no"]}}
+def json_chat_body(messages: list[dict]) -> dict:
+    body = chat_body(messages)
+    del body["ignore_eos"]  # the grammar ends the object
+    return {**body, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_response_format_json_schema(setup, stream):
+    """response_format with ddtree: the same tokens as constrained decoding
+    without speculation (the oracle), and a finished reply parses."""
+    server = setup["server"]
+    for i, ref in enumerate(setup["reference"]["json_chats"]):
+        body = json_chat_body(CHATS[i])
+        if stream:
+            chunks = server.stream("/v1/chat/completions", body)
+            choices = [c["choices"][0] for c in chunks if c.get("choices")]
+            text = "".join(c["delta"].get("content") or "" for c in choices)
+            token_ids = [t for c in choices for t in (c.get("token_ids") or [])]
+            finish = choices[-1]["finish_reason"]
+        else:
+            status, out = server.post("/v1/chat/completions", body)
+            assert status == 200, out
+            choice = out["choices"][0]
+            text, token_ids = choice["message"]["content"], choice["token_ids"]
+            finish = choice["finish_reason"]
+        assert token_ids == ref["token_ids"], (text, ref["text"])
+        assert text == ref["text"] and finish == ref["finish_reason"]
+        if finish == "stop":
+            assert set(json.loads(text)) == {"answer"}, text
+
+
+REFUSED_BODY = {"logprobs": 2, "logprob_token_ids": [5, 6]}
 
 
 def test_refused_parameter_is_400(setup):
@@ -335,7 +380,7 @@ def test_refused_parameter_is_400(setup):
                                                   **REFUSED_BODY})
     assert status == 400, out
     assert "ddtree" in out["error"]["message"], out
-    assert "structured_outputs" in out["error"]["message"], out
+    assert "logprob_token_ids" in out["error"]["message"], out
     check_completion(server, 0, setup["reference"]["completions"][0])
 
 
@@ -349,7 +394,7 @@ def test_refused_parameter_streamed(setup):
     assert len(data) == 2 and data[1] == "[DONE]", data
     error = json.loads(data[0])["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError", error
-    assert error["param"] == "structured_outputs", error
+    assert error["param"] == "logprob_token_ids", error
     assert "ddtree" in error["message"], error
     check_completion(server, 0, setup["reference"]["completions"][0])
 

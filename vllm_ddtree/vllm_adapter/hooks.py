@@ -22,7 +22,10 @@ import inspect
 
 from vllm_ddtree.sampling import SAMPLING_EPS
 from vllm_ddtree.vllm_adapter.config import get_ddtree_config
-from vllm_ddtree.vllm_adapter.requests import check_request_params
+from vllm_ddtree.vllm_adapter.requests import (
+    check_request_params,
+    check_sampling_params,
+)
 
 __all__ = [
     "engine_add_request_hook",
@@ -51,21 +54,22 @@ def process_inputs_hook(orig):
         params = bound.arguments.get("params")
         if not isinstance(params, SamplingParams):
             return orig(self, *args, **kwargs)
-        check_request_params(self.vllm_config, params)
+        check_sampling_params(params, self.model_config.get_vocab_size())
         kept = {}
         if params.min_p > SAMPLING_EPS:
             kept["min_p"] = params.min_p
         if params.logit_bias:
             kept["logit_bias"] = dict(params.logit_bias)
-        if not kept:
-            return orig(*bound.args, **bound.kwargs)
-        stripped = params.clone()
-        stripped.min_p = 0.0
-        stripped.logit_bias = None
-        bound.arguments["params"] = stripped
+        if kept:
+            stripped = params.clone()
+            stripped.min_p = 0.0
+            stripped.logit_bias = None
+            bound.arguments["params"] = stripped
         request = orig(*bound.args, **bound.kwargs)
         for name, value in kept.items():
             setattr(request.params, name, value)
+        # After vLLM's own checks, as in-tree (they resolve the grammar backend).
+        check_request_params(self.vllm_config, request.params)
         return request
 
     return process_inputs

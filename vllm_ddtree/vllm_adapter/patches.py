@@ -22,6 +22,11 @@ decorate in-tree in the upstream patch series (``patches/``):
   reach the engine core without P4 (engine).
 * P6 ``LLMEngine.add_request``: the same refusal for a pre-built
   ``EngineCoreRequest``, before the frontend tracks it (frontend).
+* P8 ``Scheduler.update_draft_token_ids``, P9
+  ``StructuredOutputManager.validate_tokens``, P10
+  ``StructuredOutputManager.grammar_bitmask``: structured outputs on draft trees
+  (the trees' structure kept in the scheduler, no chain cut, one bitmask row per
+  node with the grammar state after its path; engine core).
 * P7 (CPU only) a vLLM 0.32 bug fix for every DFlash drafter, ddtree or not:
   ``DFlashQwen3Model._normalize_context_k`` normalizes all layers' context keys
   with one ``ops.rms_norm`` call and a stacked ``[num_layers, head_dim]`` weight;
@@ -31,7 +36,8 @@ decorate in-tree in the upstream patch series (``patches/``):
   layer; on CPU :func:`normalize_context_k_per_layer` normalizes per layer in
   torch (the patch series' first commit makes the same fix in-tree).
 Only P7 changes vLLM's behaviour when ddtree is off (it fixes in-tree
-``"dflash"`` on CPU); P1-P6 are no-ops unless an engine asks for ddtree. The
+``"dflash"`` on CPU); P1-P6 and P8-P10 are no-ops unless an engine asks for
+ddtree. The
 not-yet-validated CUDA path needs no patch point: the shared start-up checks
 admit it when opted in (:func:`~vllm_ddtree.vllm_adapter.checks.gpu_opted_in`),
 P1 sets its engine options and the verifier registers its attention backend.
@@ -54,7 +60,7 @@ _installed = False
 
 
 def install() -> None:
-    """Installs P1-P7 (idempotent)."""
+    """Installs P1-P10 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -70,6 +76,8 @@ def install() -> None:
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     EngineArgs.create_speculative_config = plugin_hooks.speculative_config_hook(
@@ -90,6 +98,15 @@ def install() -> None:
         EngineCore.preprocess_add_request
     )
     LLMEngine.add_request = hooks.llm_engine_add_request_hook(LLMEngine.add_request)
+    Scheduler.update_draft_token_ids = plugin_hooks.update_draft_token_ids_hook(
+        Scheduler.update_draft_token_ids
+    )
+    StructuredOutputManager.validate_tokens = plugin_hooks.validate_tokens_hook(
+        StructuredOutputManager.validate_tokens
+    )
+    StructuredOutputManager.grammar_bitmask = plugin_hooks.grammar_bitmask_hook(
+        StructuredOutputManager.grammar_bitmask
+    )
     _fix_cpu_dflash_context_k_norm()
     _installed = True
 

@@ -12,7 +12,10 @@ attaches the resolved :class:`DDTreeConfig` as its ``ddtree`` attribute, which
 in the series is a property over the typed fields: every other module reads it
 through :func:`~vllm_ddtree.vllm_adapter.config.get_ddtree_config` either way.
 :func:`v2_runner_unsupported_hook` (P2) lists ddtree among the V2 model runner's
-unsupported features, as the series does in ``vllm/config/vllm.py``.
+unsupported features, as the series does in ``vllm/config/vllm.py``. P8-P10 give
+structured outputs their tree bitmask in the scheduler
+(:mod:`vllm_ddtree.vllm_adapter.structured_output`), where the series calls the
+same functions from ``Scheduler`` and ``StructuredOutputManager``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ import os
 from typing import Any
 
 from vllm_ddtree.vllm_adapter.checks import gpu_engine_settings
+from vllm_ddtree.vllm_adapter.structured_output import (
+    store_draft_trees,
+    tree_grammar_bitmask,
+    validate_draft_tree,
+)
 from vllm_ddtree.vllm_adapter.config import (
     DDTREE_KEYS,
     DDTREE_METHOD,
@@ -31,7 +39,14 @@ from vllm_ddtree.vllm_adapter.config import (
     resolve_ddtree_config,
 )
 
-__all__ = ["pop_ddtree_config", "speculative_config_hook", "v2_runner_unsupported_hook"]
+__all__ = [
+    "grammar_bitmask_hook",
+    "pop_ddtree_config",
+    "speculative_config_hook",
+    "update_draft_token_ids_hook",
+    "v2_runner_unsupported_hook",
+    "validate_tokens_hook",
+]
 
 
 def speculative_config_hook(create_speculative_config):
@@ -97,6 +112,50 @@ def v2_runner_unsupported_hook(get_unsupported_features):
         if get_ddtree_config(self) is not None:
             features.append("speculative method 'ddtree'")
         return features
+
+    return wrapper
+
+
+def update_draft_token_ids_hook(update_draft_token_ids):
+    """P8, ``Scheduler.update_draft_token_ids``: keeps each request's draft tree
+    (``DraftTokenIds.draft_parents``) for the grammar bitmask (engine core)."""
+
+    @functools.wraps(update_draft_token_ids)
+    def wrapper(self, draft_token_ids):
+        parents = getattr(draft_token_ids, "draft_parents", None)
+        if parents is not None:
+            store_draft_trees(self.requests, draft_token_ids)
+        return update_draft_token_ids(self, draft_token_ids)
+
+    return wrapper
+
+
+def validate_tokens_hook(validate_tokens):
+    """P9, ``StructuredOutputManager.validate_tokens``: a ddtree request's drafts
+    are a tree, not cut as a chain (engine core)."""
+
+    @functools.wraps(validate_tokens)
+    def wrapper(self, request, spec_tokens):
+        if request.use_structured_output and get_ddtree_config(self.vllm_config):
+            return validate_draft_tree(self, request, spec_tokens)
+        return validate_tokens(self, request, spec_tokens)
+
+    return wrapper
+
+
+def grammar_bitmask_hook(grammar_bitmask):
+    """P10, ``StructuredOutputManager.grammar_bitmask``: with ddtree, one row per
+    tree node with the grammar state after the node's path (engine core)."""
+
+    @functools.wraps(grammar_bitmask)
+    def wrapper(self, requests, structured_output_request_ids, scheduled_tokens):
+        if get_ddtree_config(self.vllm_config) is not None:
+            return tree_grammar_bitmask(
+                self, requests, structured_output_request_ids, scheduled_tokens
+            )
+        return grammar_bitmask(
+            self, requests, structured_output_request_ids, scheduled_tokens
+        )
 
     return wrapper
 

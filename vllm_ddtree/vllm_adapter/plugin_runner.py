@@ -122,3 +122,6 @@ class DDTreeRunnerMixin:
             slot_mappings,
         )
         return self.ddtree.after_propose(draft)
+
+    def take_draft_token_ids(self):
+        return self.ddtree.attach_draft_parents(super().take_draft_token_ids())

@@ -16,9 +16,12 @@ need the node's depth or nothing at all are honoured by the runner
 * stop, stop_token_ids, ignore_eos, max_tokens (applied by the scheduler to the
   committed tokens, as without speculation).
 
-Structured output and the thinking budget need a grammar / reasoning state per
-tree node; vLLM's implementations assume a chain. They are refused here, per
-request, with :class:`DDTreeUnsupportedParameterError`: ``LLM.generate`` raises
+Structured outputs (json, regex, choice, grammar, response_format) are honoured
+with the xgrammar backend: the scheduler fills one bitmask row per tree node with
+the grammar state after the node's path (:mod:`.structured_output`); other
+grammar backends are refused. The thinking budget needs a reasoning state per
+tree node; vLLM's implementation assumes a chain. Refusals are per request,
+with :class:`DDTreeUnsupportedParameterError`: ``LLM.generate`` raises
 it, the OpenAI server answers HTTP 400 (a streamed request: HTTP 200 and one
 error event, as for vLLM's own checks), and the engine keeps serving. Requests
 that skip ``process_inputs`` are checked where they enter instead
@@ -76,13 +79,6 @@ def check_sampling_params(params, vocab_size: int | None = None) -> None:
     """Raises :class:`DDTreeUnsupportedParameterError` naming the first refused
     parameter of ``params`` (a vLLM ``SamplingParams``); validates what ddtree
     takes over from vLLM's spec-decode check (logit_bias token ids)."""
-    if params.structured_outputs is not None:
-        _refuse(
-            "structured_outputs",
-            _set_fields(params.structured_outputs),
-            "guided decoding (json, regex, choice, grammar, response_format) needs "
-            "the grammar state of every draft path",
-        )
     if getattr(params, "thinking_token_budget", None) is not None:
         _refuse("thinking_token_budget", params.thinking_token_budget, _HISTORY)
     if getattr(params, "logprob_token_ids", None) is not None:
@@ -124,6 +120,29 @@ def check_request_params(vllm_config, params) -> None:
 
     if isinstance(params, SamplingParams):
         check_sampling_params(params, vllm_config.model_config.get_vocab_size())
+        if params.structured_outputs is not None:
+            _check_structured_output_backend(vllm_config, params.structured_outputs)
+
+
+# Grammar backends whose tree walk is validated (vllm_adapter.structured_output).
+TREE_GRAMMAR_BACKENDS = ("xgrammar",)
+
+
+def _check_structured_output_backend(vllm_config, structured_outputs) -> None:
+    """Structured outputs on draft trees: the request's grammar backend must be
+    one whose matcher the tree walk is validated with."""
+    backend = getattr(structured_outputs, "_backend", None) or getattr(
+        vllm_config.structured_outputs_config, "backend", None
+    )
+    if backend not in TREE_GRAMMAR_BACKENDS:
+        _refuse(
+            "structured_outputs",
+            _set_fields(structured_outputs),
+            f"its grammar backend is {backend!r}, and ddtree walks draft trees "
+            f"with {' / '.join(TREE_GRAMMAR_BACKENDS)} matchers only (set "
+            "structured_outputs_config backend='xgrammar', or a grammar "
+            "xgrammar supports)",
+        )
 
 
 def _set_fields(obj) -> str:

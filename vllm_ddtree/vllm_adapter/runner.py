@@ -32,7 +32,9 @@ Besides: ``execute_model`` / ``sample_tokens`` time the step for the auto budget
 (:meth:`~DDTreeVerifier.profile_step_costs`), ``_update_states`` drops the trees
 of finished requests (:meth:`~DDTreeVerifier.drop_requests`) and
 ``_input_fits_in_drafter`` sizes the drafter's query as a block
-(:meth:`~DDTreeVerifier.input_fits_in_drafter`).
+(:meth:`~DDTreeVerifier.input_fits_in_drafter`) and ``take_draft_token_ids``
+sends the trees' parents with the drafts, for the scheduler's grammar bitmask
+(:meth:`~DDTreeVerifier.attach_draft_parents`).
 
 In vLLM with ddtree in-tree each of these is an explicit ``if self.ddtree is not
 None:`` branch of ``GPUModelRunner``; the plugin makes the same calls from a
@@ -54,6 +56,7 @@ from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.vllm_adapter.step import StepTrees, TreeStash, build_step_trees
+from vllm_ddtree.vllm_adapter.structured_output import attach_draft_parents
 
 __all__ = ["DDTreeVerifier"]
 
@@ -420,6 +423,13 @@ class DDTreeVerifier:
         self._step = None
         self._plan = None
         return draft
+
+
+    def attach_draft_parents(self, draft_token_ids):
+        """``take_draft_token_ids``: the drafts go to the scheduler with their
+        trees' parents (``DraftTokenIds.draft_parents``), which its grammar
+        bitmask needs (:mod:`.structured_output`)."""
+        return attach_draft_parents(draft_token_ids, self.stash)
 
 
 def _permute_rows(hidden: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_ddtree.tree import DraftTree, tree_from_parents
+from vllm_ddtree.vllm_adapter.structured_output import chain_parents, draft_parents
 
 __all__ = ["TreeStash", "StepTrees", "build_step_trees"]
 
@@ -76,17 +77,19 @@ class TreeStash:
     def __len__(self) -> int:
         return len(self._trees)
 
+    def stored_tree(self, req_id: str) -> tuple[list[int], list[int]] | None:
+        """(node tokens, parents root first) of the request's last tree."""
+        return self._trees.get(req_id)
+
     def parents_for(self, req_id: str, scheduled: list[int]) -> list[int]:
         """Parents (root first) of the scheduled drafts: the stored tree's or a
-        chain."""
+        chain (:func:`~vllm_ddtree.vllm_adapter.structured_output.draft_parents`,
+        the rule the scheduler's grammar bitmask uses too)."""
         stored = self._trees.get(req_id)
         n = len(scheduled)
-        if (
-            stored is not None
-            and len(stored[0]) >= n
-            and stored[0][:n] == list(scheduled)
-        ):
-            return stored[1][: n + 1]
+        parents = draft_parents(stored, scheduled)
+        if parents is not None:
+            return parents
         if n > 0:
             self.num_chain_fallbacks += 1
         if stored is not None and n > 0 and not any(scheduled):
@@ -98,7 +101,7 @@ class TreeStash:
                 "accept nothing. Leave num_speculative_tokens of room under "
                 "max_model_len to keep the speed-up near the end of long requests."
             )
-        return [-1] + list(range(n))
+        return chain_parents(n)
 
 
 @dataclass

@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler's tree grammar bitmask (vllm_adapter.structured_output), unit level.
+
+Real xgrammar matchers over the tiny byte tokenizer (id i = byte i), driven
+through vLLM's own ``StructuredOutputManager`` methods on a stand-in manager:
+
+* on chains (no stored tree), the tree walk fills exactly the rows of vLLM's
+  chain walk (``StructuredOutputManager.grammar_bitmask``, the oracle),
+  including invalid drafts, ``-1`` padding and reasoning bounds;
+* on random trees, every node's row is the bitmask of a fresh matcher fed the
+  committed tokens and the node's path (or, below a rejected node, its
+  parent's row), and the matcher is left where it was;
+* the structure the scheduler uses is the worker's: drafts that are a prefix of
+  the stored tree get its parents, anything else is a chain.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+xgr = pytest.importorskip("xgrammar")
+
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
+
+from vllm_ddtree import tiny_models  # noqa: E402
+from vllm_ddtree.vllm_adapter.structured_output import (  # noqa: E402
+    chain_parents,
+    draft_parents,
+    store_draft_trees,
+    tree_grammar_bitmask,
+)
+
+VOCAB = tiny_models.DEFAULT_VOCAB_SIZE
+EOS = tiny_models.EOS_TOKEN_ID
+REGEX = r"[a-c]{2}(-[0-9]{1,3}){1,3}"
+COMMITTED = b"ab-1"  # the request's output so far (a valid prefix)
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    from transformers import AutoTokenizer
+
+    path = Path(tempfile.mkdtemp())
+    tiny_models.write_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=VOCAB, stop_token_ids=[EOS]
+    )
+    return xgr.GrammarCompiler(info)
+
+
+def make_grammar(compiler) -> XgrammarGrammar:
+    ctx = compiler.compile_regex(REGEX)
+    grammar = XgrammarGrammar(
+        matcher=xgr.GrammarMatcher(ctx, max_rollback_tokens=64),
+        vocab_size=VOCAB,
+        ctx=ctx,
+    )
+    assert grammar.accept_tokens("r", list(COMMITTED))
+    return grammar
+
+
+class ReasonUntil:
+    """A reasoner whose reasoning ends with the token ``end`` (not content)."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+
+    def is_reasoning_end(self, ids) -> bool:
+        return self.end in ids
+
+    def is_reasoning_end_streaming(self, ids, delta) -> bool:
+        return self.end in ids
+
+
+def manager(max_spec: int, reasoner=None) -> StructuredOutputManager:
+    """vLLM's manager class with the state its bitmask methods read."""
+    m = object.__new__(StructuredOutputManager)
+    m.vllm_config = SimpleNamespace(
+        # Not a ddtree engine: vLLM's own (chain) walk, also with ddtree in-tree.
+        speculative_config=None,
+        num_speculative_tokens=max_spec,
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(is_diffusion=False),
+    )
+    m.backend = SimpleNamespace(
+        allocate_token_bitmask=lambda n: xgr.allocate_token_bitmask(n, VOCAB)
+    )
+    m._grammar_bitmask = None
+    m._full_mask = torch.tensor(-1, dtype=torch.int32)
+    m.fill_bitmask_parallel_threshold = 128
+    m.enable_in_reasoning = False
+    m.reasoner_cls = None if reasoner is None else (lambda **kw: reasoner)
+    m.tokenizer = None
+    return m
+
+
+def request(compiler, req_id: str, reasoning: bool = False):
+    structured = SimpleNamespace(
+        grammar=make_grammar(compiler),
+        reasoning_ended=None if reasoning else True,
+        reasoner=None,
+        reasoning_parser_kwargs=None,
+    )
+    return SimpleNamespace(
+        request_id=req_id,
+        structured_output_request=structured,
+        prompt_token_ids=[1, 2],
+        all_token_ids=[1, 2, *COMMITTED],
+        use_structured_output=True,
+    )
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """Mostly plausible bytes for the regex, some invalid, a few stops."""
+    pool = list(b"abc-0123456789") + [ord("z"), EOS]
+    return [rng.choice(pool) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_chains_match_vllms_chain_walk(compiler, seed):
+    rng = random.Random(seed)
+    reasoning = seed % 3 == 2
+    end = ord("-")
+    reqs, scheduled = {}, {}
+    for k in range(3):
+        req_id = f"r{k}"
+        reqs[req_id] = request(compiler, req_id, reasoning=reasoning)
+        tokens = random_tokens(rng, rng.randrange(0, 7))
+        if seed % 4 == 1 and tokens:
+            cut = rng.randrange(len(tokens))
+            tokens[cut:] = [-1] * (len(tokens) - cut)  # vLLM's padding drafts
+        scheduled[req_id] = tokens
+    ids = list(reqs)
+    reasoner = ReasonUntil(end) if reasoning else None
+    ours = tree_grammar_bitmask(manager(8, reasoner), reqs, ids, scheduled)
+    for r in reqs.values():  # fresh reasoning state for the oracle
+        r.structured_output_request.reasoning_ended = None if reasoning else True
+    theirs = StructuredOutputManager.grammar_bitmask(
+        manager(8, reasoner), reqs, ids, scheduled
+    )
+    assert ours.shape == theirs.shape
+    assert (ours == theirs).all(), (seed, scheduled)
+
+
+def fresh_row(compiler, path: list[int]) -> torch.Tensor | None:
+    """The bitmask after COMMITTED + path, or None if the path is rejected."""
+    grammar = make_grammar(compiler)
+    for token in path:
+        if grammar.is_terminated() or not grammar.accept_tokens("r", [token]):
+            return None
+    row = xgr.allocate_token_bitmask(1, VOCAB)
+    if grammar.is_terminated():
+        row.fill_(-1)
+    else:
+        grammar.fill_bitmask(row, 0)
+    return row[0]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_tree_rows_are_the_state_after_each_path(compiler, seed):
+    rng = random.Random(100 + seed)
+    n = rng.randrange(1, 14)
+    parents = [-1] + [rng.randrange(0, i) for i in range(1, n + 1)]
+    tokens = random_tokens(rng, n)
+    req = request(compiler, "r")
+    reqs = {"r": req}
+    # The worker sent this tree; the scheduler schedules all of it.
+    store_draft_trees(
+        reqs,
+        SimpleNamespace(req_ids=["r"], draft_token_ids=[tokens], draft_parents=[parents]),
+    )
+    before = req.structured_output_request.grammar.matcher.find_jump_forward_string()
+    bitmask = tree_grammar_bitmask(manager(16), reqs, ["r"], {"r": tokens})
+    assert bitmask.shape[0] == n + 1
+    expected = {}
+    for node in range(n + 1):
+        path, v = [], node
+        while v > 0:
+            path.append(tokens[v - 1])
+            v = parents[v]
+        row = fresh_row(compiler, path[::-1])
+        # Below a rejected node every row repeats the deepest accepted
+        # ancestor's (the parent's row masks the subtree out).
+        expected[node] = row if row is not None else expected[parents[node]]
+        assert torch.equal(torch.from_numpy(bitmask[node]), expected[node]), (
+            seed, node, path[::-1])
+    after = req.structured_output_request.grammar.matcher.find_jump_forward_string()
+    assert before == after and req.structured_output_request.grammar.accept_tokens(
+        "r", [ord("-")]
+    )
+
+
+def test_the_structure_is_the_workers():
+    tree = ([5, 6, 7, 8], [-1, 0, 0, 1, 2])
+    assert draft_parents(tree, [5, 6, 7]) == [-1, 0, 0, 1]
+    assert draft_parents(tree, []) == [-1]
+    assert draft_parents(tree, [5, 7]) is None  # not a prefix: a chain
+    assert draft_parents(tree, [5, 6, 7, 8, 9]) is None
+    assert draft_parents(None, [5]) is None
+    assert chain_parents(3) == [-1, 0, 1, 2]
