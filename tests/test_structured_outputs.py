@@ -368,3 +368,34 @@ def test_sampled_law_matches_non_speculative(models, monkeypatch):
     assert tv(colder, reference) > bound  # the bound has power
     assert accepted >= 0.5 * N_SAMPLED  # trees are accepted, not bypassed
     assert tv(ours, reference) <= bound
+
+
+def test_preemption_mid_grammar(models):
+    """A KV cache too small for the batch: constrained requests are preempted
+    and recomputed mid-output; the grammar (advanced by committed tokens only,
+    never by the tree walk) and the output stay as without speculation."""
+    target, drafter = models
+    rng = random.Random(11)
+    long_prompts = [[rng.randrange(250) for _ in range(rng.randrange(100, 160))]
+                    for _ in range(8)]
+    kinds = ["json_object", "regex", "json_schema", None] * 2
+    kw = dict(num_gpu_blocks_override=10, block_size=32, max_model_len=256)
+
+    def run(spec):
+        llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
+                       disable_log_stats=False, speculative_config=spec, seed=0, **kw)
+        params = [vllm.SamplingParams(temperature=0.0, max_tokens=48,
+                                      structured_outputs=CONSTRAINTS[k] if k else None)
+                  for k in kinds]
+        outs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], params,
+                            use_tqdm=False)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        del llm
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+                for o in outs], metrics
+
+    ref, _ = run(None)
+    out, metrics = run(ddtree(drafter, 16))
+    assert out == ref
+    assert all(reason in ("stop", "length") for _, reason in out), out
+    assert metrics.get("vllm:num_preemptions", 0) > 0, metrics

@@ -210,6 +210,13 @@ def fill_tree_bitmask(
             bitmask[first_row + v].copy_(bitmask[source_row])
             stack.extend(children[v])
 
+    def masked_out(node: int, token: int) -> bool:
+        # The token's bit in the node's row (token i: bit i % 32 of word i // 32).
+        # Checked first so that a rejected draft never reaches accept_tokens,
+        # whose rejections vLLM logs as errors.
+        word = int(bitmask[first_row + node, token >> 5])
+        return not (word >> (token & 31)) & 1
+
     # Depth first; each frame is (node, its path, path has padding).
     def walk(node: int, path: list[int], padded: bool) -> None:
         fill(node, path, padded)
@@ -222,8 +229,10 @@ def fill_tree_bitmask(
             if len(path) < bounds(child_path)[0]:
                 walk(child, child_path, False)  # before the grammar starts
                 continue
-            if not grammar.is_terminated() and grammar.accept_tokens(
-                request.request_id, [token]
+            if (
+                not grammar.is_terminated()
+                and not masked_out(node, token)
+                and grammar.accept_tokens(request.request_id, [token])
             ):
                 walk(child, child_path, False)
                 grammar.rollback(1)
