@@ -81,6 +81,16 @@ def follows_schema(text: str) -> bool:
             and isinstance(value["keywords"], list))
 
 
+def tree_stats(engine) -> tuple[int, int]:
+    """(scheduled draft nodes of constrained requests, of which unreachable under
+    the grammar) so far, from the engine's scheduler."""
+    from vllm_ddtree.vllm_adapter.structured_output import bitmask_stats
+
+    core = engine.llm.llm_engine.engine_core.engine_core
+    stats = bitmask_stats(core.scheduler.structured_output_manager)
+    return stats.nodes, stats.unreachable
+
+
 def run(engines, args, prompt_sets, timers, tokenizer) -> list[dict]:
     """Per (workload, dataset): every method the same prompts, batch 1 at a time,
     in a rotating order."""
@@ -90,6 +100,7 @@ def run(engines, args, prompt_sets, timers, tokenizer) -> list[dict]:
         for ds, prompts in prompt_sets.items():
             sums = {e.name: e.new_sums() for e in engines}
             texts = {e.name: [] for e in engines}
+            nodes_before = {e.name: tree_stats(e) for e in engines}
             for start in range(len(prompts)):
                 k = turn % len(engines)
                 turn += 1
@@ -107,12 +118,15 @@ def run(engines, args, prompt_sets, timers, tokenizer) -> list[dict]:
                 n_out = sum(len(o) for o in s["outputs"])
                 finished = [t for o, t in zip(s["outputs"], texts[e.name], strict=True)
                             if len(o) < args.max_tokens]
+                nodes, unreachable = (a - b for a, b in zip(
+                    tree_stats(e), nodes_before[e.name], strict=True))
                 rows.append({
                     "method": e.name, "workload": workload, "dataset": ds,
                     "wall_s": round(s["wall"], 3), "output_tokens": n_out,
                     "tokens_per_s": round(n_out / s["wall"], 3), "tau": tau,
                     "verify_steps": delta["drafts"], "split_s": split,
                     "finished": len(finished),
+                    "constrained_nodes": nodes, "unreachable_nodes": unreachable,
                     "schema_ok": sum(follows_schema(t) for t in finished),
                     "outputs": s["outputs"]})
                 print(f"{e.name:12s} {workload:5s} {ds:9s} {rows[-1]['tokens_per_s']:7.2f} "
@@ -133,6 +147,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
             out.append({"method": method, "workload": workload, "tau": tau,
                         "tokens_per_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
                         "finished": sum(r["finished"] for r in rs),
+                        "constrained_nodes": sum(r["constrained_nodes"] for r in rs),
+                        "unreachable_nodes": sum(r["unreachable_nodes"] for r in rs),
                         "schema_ok": sum(r["schema_ok"] for r in rs),
                         "split_s": {k: sum(r["split_s"][k] for r in rs) for k in SECTIONS}})
     return out
@@ -167,8 +183,8 @@ def report(out_dir: Path, tag: str, info: dict, agg: list[dict], goals: list[dic
     lines += [f"- {g['name']}: {g['value']} (target {g['target']}) "
               f"{'PASS' if g['pass'] else 'FAIL'}" for g in goals]
     lines += ["", "| workload | method | tau | tok/s | vs nospec | finished | schema ok | "
-              + " | ".join(f"{s} %" for s in SECTIONS) + " |",
-              "|---|---|" + "---:|" * (5 + len(SECTIONS))]
+              "unreachable nodes | " + " | ".join(f"{s} %" for s in SECTIONS) + " |",
+              "|---|---|" + "---:|" * (6 + len(SECTIONS))]
     for r in agg:
         base = next(b for b in agg if b["method"] == "nospec" and b["workload"] == r["workload"])
         total = sum(r["split_s"].values()) or 1.0
@@ -177,10 +193,14 @@ def report(out_dir: Path, tag: str, info: dict, agg: list[dict], goals: list[dic
             f"| {r['workload']} | {r['method']} | {tau} | {r['tokens_per_s']:.2f} | "
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['finished']} | "
             f"{r['schema_ok'] if r['workload'] == 'json' else '-'} | "
+            + (f"{100 * r['unreachable_nodes'] / r['constrained_nodes']:.0f}% of "
+               f"{r['constrained_nodes']} | " if r["constrained_nodes"] else "- | ")
             + " | ".join(f"{100 * r['split_s'][s] / total:.1f}" for s in SECTIONS) + " |")
     lines += ["", "tau = 1 + accepted drafts per verify step. The grammar bitmask is filled "
               "in the scheduler during the step (`other`); `finished` = replies that ended "
-              "before max_tokens.", ""]
+              "before max_tokens; `unreachable nodes` = scheduled draft nodes of constrained "
+              "requests that the grammar masks out of an ancestor's row (verified, never "
+              "accepted: the rows a grammar-aware pruning would free).", ""]
     (out_dir / f"{tag}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -32,6 +32,7 @@ from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: 
 
 from vllm_ddtree import tiny_models  # noqa: E402
 from vllm_ddtree.vllm_adapter.structured_output import (  # noqa: E402
+    bitmask_stats,
     chain_parents,
     draft_parents,
     store_draft_trees,
@@ -187,11 +188,12 @@ def test_tree_rows_are_the_state_after_each_path(compiler, seed):
     object.__setattr__(
         grammar, "accept_tokens",
         lambda rid, toks: answers.append(accept(rid, toks)) or answers[-1])
-    bitmask = tree_grammar_bitmask(manager(16), reqs, ["r"], {"r": tokens})
+    m = manager(16)
+    bitmask = tree_grammar_bitmask(m, reqs, ["r"], {"r": tokens})
     object.__delattr__(grammar, "accept_tokens")
     assert all(answers), answers
     assert bitmask.shape[0] == n + 1
-    expected = {}
+    expected, unreachable = {}, 0
     for node in range(n + 1):
         path, v = [], node
         while v > 0:
@@ -203,6 +205,9 @@ def test_tree_rows_are_the_state_after_each_path(compiler, seed):
         expected[node] = row if row is not None else expected[parents[node]]
         assert torch.equal(torch.from_numpy(bitmask[node]), expected[node]), (
             seed, node, path[::-1])
+        unreachable += row is None
+    # Nodes whose path the grammar rejects: the rows pruning would free.
+    assert (bitmask_stats(m).nodes, bitmask_stats(m).unreachable) == (n, unreachable)
     after = grammar.matcher.find_jump_forward_string()
     assert before == after and req.structured_output_request.grammar.accept_tokens(
         "r", [ord("-")]

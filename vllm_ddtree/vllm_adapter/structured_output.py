@@ -31,10 +31,13 @@ verifies exactly the tree the bitmask describes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "TreeBitmaskStats",
     "attach_draft_parents",
+    "bitmask_stats",
     "chain_parents",
     "draft_parents",
     "fill_tree_bitmask",
@@ -46,6 +49,27 @@ __all__ = [
 # The scheduler's copy of a request's last proposed tree: (node tokens, parents
 # root first), an attribute of vLLM's Request.
 _TREE_ATTR = "ddtree_draft_tree"
+# The manager's running TreeBitmaskStats.
+_STATS_ATTR = "ddtree_bitmask_stats"
+
+
+@dataclass
+class TreeBitmaskStats:
+    """Scheduled draft nodes of constrained requests, and how many of them the
+    grammar makes unreachable (masked out of an ancestor's row: verified rows
+    that can never be accepted, the budget a grammar-aware pruning would free)."""
+
+    nodes: int = 0
+    unreachable: int = 0
+
+
+def bitmask_stats(manager: Any) -> TreeBitmaskStats:
+    """The running :class:`TreeBitmaskStats` of a ``StructuredOutputManager``."""
+    stats = getattr(manager, _STATS_ATTR, None)
+    if stats is None:
+        stats = TreeBitmaskStats()
+        setattr(manager, _STATS_ATTR, stats)
+    return stats
 
 
 def draft_parents(
@@ -203,11 +227,15 @@ def fill_tree_bitmask(
         apply = not padded and len(path) >= bounds(path)[1]
         manager._fill_bitmasks(((grammar, first_row + node, apply),))
 
+    stats = bitmask_stats(manager)
+    stats.nodes += sum(token != -1 for token in tokens)
+
     def copy_subtree(node: int, source_row: int) -> None:
         stack = [node]
         while stack:
             v = stack.pop()
             bitmask[first_row + v].copy_(bitmask[source_row])
+            stats.unreachable += 1
             stack.extend(children[v])
 
     def masked_out(node: int, token: int) -> bool:
