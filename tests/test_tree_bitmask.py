@@ -61,7 +61,7 @@ def compiler():
 def make_grammar(compiler) -> XgrammarGrammar:
     ctx = compiler.compile_regex(REGEX)
     grammar = XgrammarGrammar(
-        matcher=xgr.GrammarMatcher(ctx, max_rollback_tokens=64),
+        matcher=xgr.GrammarMatcher(ctx),
         vocab_size=VOCAB,
         ctx=ctx,
     )
