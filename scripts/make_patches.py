@@ -280,7 +280,7 @@ STRUCTURED_EDITS = [
         "            # A draft tree, not a chain: kept whole (the bitmask masks\n"
         "            # grammar-invalid nodes out of their parents' rows).\n"
         f"            from {_TREE_MODULE} import validate_draft_tree\n\n"
-        "            return validate_draft_tree(self, request, spec_tokens)\n",
+        "            return validate_draft_tree(spec_tokens)\n",
     ),
     (
         "vllm/v1/structured_output/__init__.py",

@@ -52,3 +52,79 @@ def patch_vllm_for_tests() -> None:
 def vllm_patched():
     """Session fixture form of :func:`patch_vllm_for_tests`."""
     patch_vllm_for_tests()
+
+
+# --------------------------------------------------------------------------- #
+# Scripted DDTree drafter (end-to-end tests that need known trees)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def scripted_drafter(monkeypatch):
+    """``install(script)``: the DDTree drafter's logits become
+    ``script(proposer, runner, req_ids, committed, logits)`` ([R * L, V], where
+    ``committed[b]`` is request b's committed length: its bonus token sits at
+    that index of prompt + output). The tree is built from them as usual."""
+    from vllm_ddtree.vllm_adapter import runner as runner_module
+    from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
+
+    def install(script) -> None:
+        orig_propose = DDTreeProposer.propose
+
+        def scripted_propose(self, num_speculative_tokens, **kw):
+            cad = kw["common_attn_metadata"]
+            rejected = kw.get("num_rejected_tokens_gpu")
+            committed = cad.seq_lens[: cad.num_reqs].clone()
+            if rejected is not None:
+                committed -= rejected[: cad.num_reqs]
+            runner = self.scripted_runner
+            req_ids = runner.input_batch.req_ids[: cad.num_reqs]
+
+            def scripted(hidden_states, sampling_metadata):
+                logits = self.model.compute_logits(hidden_states)
+                draft = script(self, runner, req_ids, committed, logits)
+                self._draft_logits = draft.to(logits)
+                return self._draft_logits.argmax(dim=-1), None
+
+            self._sample_draft_tokens = scripted
+            try:
+                return orig_propose(self, num_speculative_tokens, **kw)
+            finally:
+                del self._sample_draft_tokens
+
+        monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
+        orig_init = runner_module.DDTreeVerifier.__init__
+
+        def init_and_remember(self, runner):  # scripts read the runner's requests
+            orig_init(self, runner)
+            runner.drafter.scripted_runner = runner
+
+        monkeypatch.setattr(runner_module.DDTreeVerifier, "__init__", init_and_remember)
+
+    return install
+
+
+@pytest.fixture
+def truth_at_rank_1():
+    """``make(full)``: a script for :func:`scripted_drafter` putting, at every
+    depth, the true continuation (``full[prompt]`` = prompt + reference output)
+    at rank 1 and a wrong token at rank 0, so only a tree (a sibling path) can
+    accept it."""
+    return _truth_at_rank_1
+
+
+def _truth_at_rank_1(full: dict[tuple, list[int]]):
+    def script(proposer, runner, req_ids, committed, logits):
+        vocab = logits.shape[-1]
+        out = torch.zeros(len(req_ids), proposer.draft_len, vocab)
+        for b, req_id in enumerate(req_ids):
+            seq = full[tuple(runner.requests[req_id].prompt_token_ids)]
+            start = int(committed[b]) + 1  # the bonus sits at index committed
+            for j in range(proposer.draft_len):
+                if start + j < len(seq):
+                    truth = seq[start + j]
+                    out[b, j, truth] = 8.0
+                    out[b, j, (truth + 1) % 250] = 8.2  # a wrong rank 0
+        return out.view(-1, vocab)
+
+    return script

@@ -17,11 +17,9 @@ Three drafter regimes:
 import random
 
 import pytest
-import torch
 
 from vllm_ddtree import tiny_models
 from vllm_ddtree.vllm_adapter import runner as runner_module
-from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
 
 vllm = pytest.importorskip("vllm")
 
@@ -150,7 +148,7 @@ def test_large_budget_needs_room_for_the_block_only(models, reference):
 
 @pytest.mark.parametrize("max_children,budget", [(None, 30), (1, 30), (2, 40)])
 def test_siblings_are_accepted_and_committed(
-    models, reference, monkeypatch, max_children, budget
+    models, reference, scripted_drafter, truth_at_rank_1, max_children, budget
 ):
     """True continuation at rank 1 of every depth: only a tree can accept it.
 
@@ -161,47 +159,9 @@ def test_siblings_are_accepted_and_committed(
     """
     p, ref = reference
     target, drafter = models["random"]
-    full = {tuple(q): q + r for q, r in zip(p, ref["random"], strict=True)}
-    orig_propose = DDTreeProposer.propose
-
-    def scripted_propose(self, num_speculative_tokens, **kw):
-        cad = kw["common_attn_metadata"]
-        rejected = kw.get("num_rejected_tokens_gpu")
-        committed = cad.seq_lens[: cad.num_reqs].clone()
-        if rejected is not None:
-            committed -= rejected[: cad.num_reqs]
-        runner = self.scripted_runner
-        req_ids = runner.input_batch.req_ids[: cad.num_reqs]
-
-        def scripted(hidden_states, sampling_metadata):
-            logits = self.model.compute_logits(hidden_states)
-            vocab = logits.shape[-1]
-            script = torch.zeros(cad.num_reqs, self.draft_len, vocab)
-            for b, req_id in enumerate(req_ids):
-                seq = full[tuple(runner.requests[req_id].prompt_token_ids)]
-                start = int(committed[b]) + 1  # the bonus sits at index committed
-                for j in range(self.draft_len):
-                    if start + j < len(seq):
-                        truth = seq[start + j]
-                        script[b, j, truth] = 8.0
-                        script[b, j, (truth + 1) % 250] = 8.2  # a wrong rank 0
-            self._draft_logits = script.view(-1, vocab).to(logits)
-            return self._draft_logits.argmax(dim=-1), None
-
-        self._sample_draft_tokens = scripted
-        try:
-            return orig_propose(self, num_speculative_tokens, **kw)
-        finally:
-            del self._sample_draft_tokens
-
-    monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
-    orig_init = runner_module.DDTreeVerifier.__init__
-
-    def init_and_remember(self, runner):  # the script reads the runner's requests
-        orig_init(self, runner)
-        runner.drafter.scripted_runner = runner
-
-    monkeypatch.setattr(runner_module.DDTreeVerifier, "__init__", init_and_remember)
+    scripted_drafter(truth_at_rank_1(
+        {tuple(q): q + r for q, r in zip(p, ref["random"], strict=True)}
+    ))
     # B = 30 holds the whole binary tree of depth 4 (2 + 4 + 8 + 16 nodes).
     spec = ddtree(drafter, budget)
     if max_children is not None:

@@ -26,8 +26,6 @@ import pytest
 import torch
 
 from vllm_ddtree import tiny_models
-from vllm_ddtree.vllm_adapter import runner as runner_module
-from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
 
 vllm = pytest.importorskip("vllm")
 from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
@@ -98,18 +96,18 @@ def ddtree(drafter, budget=16, **extra):
     }
 
 
+def make_llm(target, speculative_config=None, **kw):
+    """The in-process engine every test here builds (float32, eager, seeded)."""
+    kw.setdefault("max_model_len", 512)
+    return vllm.LLM(model=target, dtype="float32", enforce_eager=True,
+                    disable_log_stats=False, speculative_config=speculative_config,
+                    seed=0, **kw)
+
+
 def generate(target, requests, speculative_config=None):
     """requests: [(prompt ids, constraint kind or None)]; returns
     [(token ids, text, finished, finish_reason)] and the engine's spec stats."""
-    llm = vllm.LLM(
-        model=target,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        disable_log_stats=False,
-        speculative_config=speculative_config,
-        seed=0,
-    )
+    llm = make_llm(target, speculative_config)
     params = [
         vllm.SamplingParams(
             temperature=0.0,
@@ -188,7 +186,9 @@ def test_random_drafter_is_lossless(models, batch, reference, size):
         assert stats["drafts"] > 0
 
 
-def test_siblings_are_accepted_under_the_grammar(models, batch, reference, monkeypatch):
+def test_siblings_are_accepted_under_the_grammar(
+    models, batch, reference, scripted_drafter, truth_at_rank_1
+):
     """True continuation at rank 1 of every depth, a wrong token at rank 0.
 
     The rank-0 nodes and the rank-1 path are siblings: each row must be the
@@ -197,49 +197,9 @@ def test_siblings_are_accepted_under_the_grammar(models, batch, reference, monke
     failed for an off-grammar commit); here the tree accepts full depth.
     """
     target, drafter = models
-    full = {
-        tuple(p): p + ref[0] for (p, _), ref in zip(batch, reference, strict=True)
-    }
-    orig_propose = DDTreeProposer.propose
-
-    def scripted_propose(self, num_speculative_tokens, **kw):
-        cad = kw["common_attn_metadata"]
-        rejected = kw.get("num_rejected_tokens_gpu")
-        committed = cad.seq_lens[: cad.num_reqs].clone()
-        if rejected is not None:
-            committed -= rejected[: cad.num_reqs]
-        runner = self.scripted_runner
-        req_ids = runner.input_batch.req_ids[: cad.num_reqs]
-
-        def scripted(hidden_states, sampling_metadata):
-            logits = self.model.compute_logits(hidden_states)
-            vocab = logits.shape[-1]
-            script = torch.zeros(cad.num_reqs, self.draft_len, vocab)
-            for b, req_id in enumerate(req_ids):
-                seq = full[tuple(runner.requests[req_id].prompt_token_ids)]
-                start = int(committed[b]) + 1
-                for j in range(self.draft_len):
-                    if start + j < len(seq):
-                        truth = seq[start + j]
-                        script[b, j, truth] = 8.0
-                        script[b, j, (truth + 1) % 250] = 8.2
-            self._draft_logits = script.view(-1, vocab).to(logits)
-            return self._draft_logits.argmax(dim=-1), None
-
-        self._sample_draft_tokens = scripted
-        try:
-            return orig_propose(self, num_speculative_tokens, **kw)
-        finally:
-            del self._sample_draft_tokens
-
-    monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
-    orig_init = runner_module.DDTreeVerifier.__init__
-
-    def init_and_remember(self, runner):
-        orig_init(self, runner)
-        runner.drafter.scripted_runner = runner
-
-    monkeypatch.setattr(runner_module.DDTreeVerifier, "__init__", init_and_remember)
+    scripted_drafter(truth_at_rank_1(
+        {tuple(p): p + ref[0] for (p, _), ref in zip(batch, reference, strict=True)}
+    ))
     out, stats = generate(target, batch, ddtree(drafter, 30))
     print("structured scripted siblings:", stats)
     for (_, kind), got, ref in zip(batch, out, reference, strict=True):
@@ -251,15 +211,8 @@ def test_siblings_are_accepted_under_the_grammar(models, batch, reference, monke
 
 def test_other_grammar_backends_are_refused_per_request(models):
     target, drafter = models
-    llm = vllm.LLM(
-        model=target,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        speculative_config=ddtree(drafter),
-        structured_outputs_config={"backend": "guidance"},
-        seed=0,
-    )
+    llm = make_llm(target, ddtree(drafter), max_model_len=256,
+                   structured_outputs_config={"backend": "guidance"})
     params = vllm.SamplingParams(
         max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-c]+")
     )
@@ -291,20 +244,12 @@ def tv_bound(num_cells: int, n1: int, n2: int, delta: float = DELTA) -> float:
     return 0.5 * math.sqrt((num_cells - 1) * s) + math.sqrt(math.log(1 / delta) * s / 2)
 
 
-def sample_choices(target, speculative_config, temperature, monkeypatch=None):
+def sample_choices(target, speculative_config, temperature):
     """N_SAMPLED seeded requests (seed = i) of one prompt under the choice
     grammar; returns the Counter of outputs and the spec stats."""
     from collections import Counter
 
-    llm = vllm.LLM(
-        model=target,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        disable_log_stats=False,
-        speculative_config=speculative_config,
-        seed=0,
-    )
+    llm = make_llm(target, speculative_config, max_model_len=256)
     params = [
         vllm.SamplingParams(
             temperature=temperature,
@@ -325,32 +270,22 @@ def sample_choices(target, speculative_config, temperature, monkeypatch=None):
     return counts, metrics
 
 
-def test_sampled_law_matches_non_speculative(models, monkeypatch):
+def test_sampled_law_matches_non_speculative(models, scripted_drafter):
     """T = 1, choice grammar whose second-token mask depends on the first token.
     The drafter proposes a, b and c at every depth, so trees hold sibling paths
     that the target often accepts. Two-sample TV over the 5 outputs, N = 3000
     each, bound at delta = 1e-6; a negative control (T = 0.6) shows the bound
     has power."""
     target, drafter = models
-    orig_propose = DDTreeProposer.propose
-
-    def abc_propose(self, num_speculative_tokens, **kw):
-        def abc(hidden_states, sampling_metadata):
-            logits = self.model.compute_logits(hidden_states)
-            script = torch.zeros_like(logits)
-            script[:, list(b"abc")] = torch.tensor([3.0, 2.9, 2.8])
-            self._draft_logits = script
-            return script.argmax(dim=-1), None
-
-        self._sample_draft_tokens = abc
-        try:
-            return orig_propose(self, num_speculative_tokens, **kw)
-        finally:
-            del self._sample_draft_tokens
-
     reference, _ = sample_choices(target, None, 1.0)
     colder, _ = sample_choices(target, None, 0.6)
-    monkeypatch.setattr(DDTreeProposer, "propose", abc_propose)
+
+    def abc(proposer, runner, req_ids, committed, logits):
+        script = torch.zeros_like(logits)
+        script[:, list(b"abc")] = torch.tensor([3.0, 2.9, 2.8])
+        return script
+
+    scripted_drafter(abc)
     ours, metrics = sample_choices(target, ddtree(drafter, 8), 1.0)
     assert set(ours) <= set(SAMPLED_CHOICES) and set(reference) <= set(SAMPLED_CHOICES)
 
@@ -382,8 +317,7 @@ def test_preemption_mid_grammar(models):
     kw = dict(num_gpu_blocks_override=10, block_size=32, max_model_len=256)
 
     def run(spec):
-        llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
-                       disable_log_stats=False, speculative_config=spec, seed=0, **kw)
+        llm = make_llm(target, spec, **kw)
         params = [vllm.SamplingParams(temperature=0.0, max_tokens=48,
                                       structured_outputs=CONSTRAINTS[k] if k else None)
                   for k in kinds]

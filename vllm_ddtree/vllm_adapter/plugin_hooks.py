@@ -137,7 +137,7 @@ def validate_tokens_hook(validate_tokens):
     @functools.wraps(validate_tokens)
     def wrapper(self, request, spec_tokens):
         if request.use_structured_output and get_ddtree_config(self.vllm_config):
-            return validate_draft_tree(self, request, spec_tokens)
+            return validate_draft_tree(spec_tokens)
         return validate_tokens(self, request, spec_tokens)
 
     return wrapper

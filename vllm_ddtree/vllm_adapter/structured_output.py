@@ -132,8 +132,9 @@ def store_draft_trees(requests: dict[str, Any], draft_token_ids: Any) -> None:
             setattr(request, _TREE_ATTR, (list(tokens), list(parents)))
 
 
-def validate_draft_tree(manager: Any, request: Any, spec_tokens: list[int]) -> list[int]:
-    """ddtree's ``validate_tokens``: the drafts minus ``-1`` padding, uncut.
+def validate_draft_tree(spec_tokens: list[int]) -> list[int]:
+    """ddtree's ``validate_tokens`` for a structured request: the drafts minus
+    ``-1`` padding, uncut.
 
     A tree in node order is not a chain, so vLLM's chain check would keep only
     the nodes before the first sibling. Invalid nodes need no cut to stay
@@ -218,14 +219,11 @@ def fill_tree_bitmask(
         return path[::-1]
 
     def bounds(path: list[int]) -> tuple[int, int]:
+        """(grammar_start, constraint_start) of the chain ``path``."""
         if constrained_from_start:
             return 0, 0
         grammar_start, constraint_start = manager._get_constraint_bounds(request, path)
         return grammar_start, constraint_start
-
-    def fill(node: int, path: list[int], padded: bool) -> None:
-        apply = not padded and len(path) >= bounds(path)[1]
-        manager._fill_bitmasks(((grammar, first_row + node, apply),))
 
     stats = bitmask_stats(manager)
     stats.nodes += sum(token != -1 for token in tokens)
@@ -245,29 +243,32 @@ def fill_tree_bitmask(
         word = int(bitmask[first_row + node, token >> 5])
         return not (word >> (token & 31)) & 1
 
-    # Depth first; each frame is (node, its path, path has padding).
-    def walk(node: int, path: list[int], padded: bool) -> None:
-        fill(node, path, padded)
+    # Depth first: the node, its path, whether the path has padding, and the
+    # path's reasoning bounds.
+    def walk(node: int, path: list[int], padded: bool, path_bounds) -> None:
+        apply = not padded and len(path) >= path_bounds[1]
+        manager._fill_bitmasks(((grammar, first_row + node, apply),))
         for child in children[node]:
             token = tokens[child - 1]
             child_path = path + [token]
             if padded or token == -1:
-                walk(child, child_path, True)
+                walk(child, child_path, True, (0, 0))  # rows unconstrained
                 continue
-            if len(path) < bounds(child_path)[0]:
-                walk(child, child_path, False)  # before the grammar starts
+            child_bounds = bounds(child_path)
+            if len(path) < child_bounds[0]:
+                walk(child, child_path, False, child_bounds)  # grammar not started
                 continue
             if (
                 not grammar.is_terminated()
                 and not masked_out(node, token)
                 and grammar.accept_tokens(request.request_id, [token])
             ):
-                walk(child, child_path, False)
+                walk(child, child_path, False, child_bounds)
                 grammar.rollback(1)
             else:
                 # The parent's row masks this token out: the subtree can never
                 # be accepted; its rows repeat the parent's (as vLLM's chain).
                 copy_subtree(child, first_row + node)
 
-    walk(0, [], False)
+    walk(0, [], False, bounds([]))
     return first_row + n + 1
