@@ -5,6 +5,7 @@ calibration follows acceptance, and the cost model recovers a piecewise-linear
 step time and follows a change of load."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -186,33 +187,99 @@ def test_controller_keeps_confident_trees_when_rows_are_cheap():
     assert controller.chosen_histogram.sum() == 2
 
 
+def _chain_trees(confidence, num_reqs=1):
+    """Trees of 8 nodes whose first 4 (best-first) are the drafter's favourite
+    chain, q = ``confidence`` per depth; the other nodes are siblings of q < 0.01."""
+    from vllm_ddtree.tree import build_ddtree
+
+    logits = torch.zeros(num_reqs, 4, 50)
+    # softmax: the favourite gets ``confidence``, the other 49 share the rest.
+    logits[..., 7] = math.log(confidence * 49 / (1 - confidence))
+    return build_ddtree(logits, 8, torch.zeros(num_reqs, dtype=torch.int64))
+
+
+def _run(controller, tree_at, steps, num_reqs=1):
+    """The runner's calls: ``draft_next`` before each drafter pass, ``choose`` on
+    the tree a drafting pass builds (``tree_at(step)``). Per step: the nodes
+    chosen in all, or None for a context-only pass."""
+    log = []
+    for step in range(steps):
+        if controller.draft_next(num_reqs):
+            log.append(int(controller.choose(tree_at(step)).sum()))
+        else:
+            log.append(None)
+    return log
+
+
+def test_controller_picks_four_nodes_and_keeps_drafting_through_unsure_trees():
+    """Every third tree is unsure (a plain step beats verifying it), the others
+    carry a sure 4-node chain: drafting pays on average, so the drafter keeps
+    drafting, and each sure tree is trimmed to its 4 chain nodes (its siblings
+    do not pay their rows). One unsure tree must not stop it: the old rule
+    (stop on any tree that does not pay, then skip 1, 2, 4, ... steps, or as
+    many as kept the probes' passes within explore_share) drafted 17% of them."""
+    pytest.importorskip("vllm")
+    controller = _controller(per_row=0.002, full=0.004, context=0.0005)
+    sure, unsure = _chain_trees(0.9), _chain_trees(0.05)
+    log = _run(controller, lambda step: unsure if step % 3 == 2 else sure, 300)
+    drafted = [n for n in log if n is not None]
+    assert len(drafted) >= 0.97 * len(log), log
+    assert drafted.count(4) >= 0.6 * len(log), log  # the sure trees: their chain
+    # Unsure trees alone would not pay: a controller that sees only those skips
+    # (probing: a probe loses a shallow pass here, ~8% of a plain step, so one
+    # in ~9 steps keeps the loss at explore_share).
+    controller = _controller(per_row=0.002, full=0.004, context=0.0005)
+    log = _run(controller, lambda step: unsure, 300)
+    assert sum(n is not None for n in log) <= 0.15 * len(log), log
+
+
 def test_controller_stops_drafting_then_probes_back():
     """Expensive rows and unsure drafts: no node is worth its row and a
-    context-only pass is cheaper than drafting, so the drafter skips 1, 2, 4 ...
-    steps between probes."""
+    context-only pass is cheaper than drafting, so the drafter skips, probing
+    now and then; every context-only step's requests count as 0 nodes chosen."""
     pytest.importorskip("vllm")
     controller = _controller(per_row=0.01)
-    controller.explore_share = 1.0  # the doubling alone (probes are cheap here)
-    pattern = []
-    for _ in range(4):
-        counts = controller.choose(_trees(sharpness=0.0))
-        assert counts.tolist() == [0, 0]
-        skipped = 0
-        while not controller.draft_next(2):
-            skipped += 1
-        pattern.append(skipped)
-    assert pattern == [1, 2, 4, 8]
-    # Every context-only step's requests count as 0 nodes chosen.
-    assert controller.chosen_histogram[0] == 2 * (4 + sum(pattern))
-    skipped = sum(pattern)
+    log = _run(controller, lambda step: _trees(sharpness=0.0), 400, num_reqs=2)
+    probes = [n for n in log if n is not None]
+    assert 2 <= len(probes) <= 0.1 * len(log) and set(probes) == {0}, log
+    assert controller.chosen_histogram[0] == 2 * len(log)
+    skipped = controller.num_skipped_steps
     line = controller.stats_line()
-    assert f"mean nodes per request-step 0.00 over {2 * (4 + skipped)}" in line, line
-    assert f"skipped {skipped} of {4 + skipped} steps" in line, line
-    # Confident drafts again: drafting pays, and the skip length resets.
-    controller = _controller(per_row=1e-5)
-    controller.choose(_trees(sharpness=0.0))
-    assert controller.choose(_trees(sharpness=12.0)).min() >= 4
-    assert controller.draft_next(2)
+    assert f"mean nodes per request-step 0.00 over {2 * len(log)}" in line, line
+    assert f"skipped {skipped} of {len(log)} steps" in line, line
+
+
+def test_controller_cold_start_on_a_bad_first_tree():
+    """The first tree of a fresh engine is unsure, every later one sure: the
+    drafter stops, but its probes see the sure trees and it drafts again within
+    a few probes, then keeps drafting."""
+    pytest.importorskip("vllm")
+    controller = _controller(per_row=0.002, full=0.004, context=0.0005)
+    sure, unsure = _chain_trees(0.9), _chain_trees(0.05)
+    log = _run(controller, lambda step: unsure if step == 0 else sure, 300)
+    assert log[1] is None, log  # the unsure tree stopped it
+    resumed = next(i for i in range(2, len(log)) if log[i] is not None and
+                   all(n is not None for n in log[i:i + 10]))
+    assert resumed <= 100, log
+    assert all(n == 4 for n in log[resumed:]), log
+
+
+def test_controller_follows_acceptance_that_changes_mid_run():
+    """Sure drafts, then unsure ones, then sure ones again (a workload that
+    changes): drafting on, off within a few steps, on again within a few probes."""
+    pytest.importorskip("vllm")
+    controller = _controller(per_row=0.002, full=0.004, context=0.0005)
+    sure, unsure = _chain_trees(0.9), _chain_trees(0.05)
+    phases = (200, 500, 300)
+    log = _run(controller, lambda step: unsure if phases[0] <= step < sum(phases[:2])
+               else sure, sum(phases))
+    first, second, third = log[:200], log[200:700], log[700:]
+    assert all(n == 4 for n in first[5:]), first
+    assert sum(n is not None for n in second[10:]) <= 0.15 * len(second), second
+    resumed = next(i for i, n in enumerate(third) if n is not None and
+                   all(m is not None for m in third[i:i + 10]))
+    assert resumed <= 150, third
+    assert sum(n is not None for n in third[resumed:]) == len(third) - resumed
 
 
 def test_controller_keeps_probes_within_the_exploration_share():
@@ -223,7 +290,6 @@ def test_controller_keeps_probes_within_the_exploration_share():
     pytest.importorskip("vllm")
     full, context, per_row, num_reqs = 0.05, 0.002, 0.01, 2
     controller = _controller(per_row=per_row, full=full, context=context)
-    controller.max_skip = 4  # the doubling alone would probe every 5th step
     elapsed = probe_time = 0.0
     depth = controller.max_depth  # the depth of the pass that drafted the tree
     for _ in range(6):

@@ -220,7 +220,7 @@ def reference(models):
     # Tiny models: drafting rarely pays on timings alone, and the tests need
     # trees. Drafting is kept on; each tree is still trimmed to its best prefix.
     controller = runner.ddtree.budget
-    controller.min_gain = -1.0
+    controller.min_gain, controller.max_loss = -1.0, 1.0  # start at once, never stop
     # Whether the controller trims depends on this machine's timings (on a busy
     # machine it kept whole trees); every other decision keeps one node fewer
     # than it chose (still a prefix of each tree), so trimmed trees are sampled

@@ -19,16 +19,22 @@ the target step and in the drafter pass, accepted depths); the controller keeps
 When the drafter has built the batch's trees, :meth:`choose` trims each
 request's tree to the prefix that maximises the batch's expected committed
 tokens per second with drafting on (``allocate_nodes``: verify step + the next
-full drafter pass). Unless that beats decoding without drafts (plain step +
-context-only pass) by ``min_gain``, the drafter stops: the next passes are
+full drafter pass). Whether to keep drafting is a decision about the trees to
+come, not this one: per-tree values spread widely (one step's drafts are sure,
+the next step's not), so the controller keeps running means of what the best
+prefix of each drafted batch commits and of what decoding without drafts (plain
+step + context-only pass) would commit in the same time, and drafts while their
+ratio, the *advantage*, stays above 1 (with hysteresis: it starts above 1 +
+``min_gain``, stops below 1 - ``max_loss``). When it stops, the next passes are
 context-only (every committed token's target hidden states still reach the
-drafter's K/V, so later drafts are what they would have been) and drafting is
-tried again after 1, 2, 4, ... skipped steps (at most ``max_skip``), and never
-sooner than keeps the probes' drafter passes (over a context-only pass) within
-``explore_share`` of the time; the tree already drafted is verified only as far
-as it beats one plain step. While the chosen trees stay shallow the drafter
-computes logits for the depths in use only (the LM head over the vocabulary is
-most of a pass), and for the whole block every ``full_depth_every``-th pass.
+drafter's K/V, so later drafts are what they would have been) and a probe
+drafts again after as many skipped steps as keep the probes' expected loss
+within ``explore_share`` of the time: soon when drafting is near break-even,
+rarely when it is far below (at most ``max_skip``). The tree a probe drafted is
+verified only as far as it beats one plain step (its pass is paid). While the
+chosen trees stay shallow the drafter computes logits for the depths in use
+only (the LM head over the vocabulary is most of a pass), and for the whole
+block every ``full_depth_every``-th pass.
 
 Lossless: budgets depend on the draft scores and on timings only, never on the
 target's samples of the step being verified; a trimmed tree is a prefix of the
@@ -58,7 +64,7 @@ class BudgetController:
         device,
         max_rows: int,
         max_reqs: int,
-        max_skip: int = 64,
+        max_skip: int = 256,
     ):
         self.budget = budget
         self.max_skip = max_skip
@@ -81,7 +87,6 @@ class BudgetController:
         self._deepest: list[int] = []
         self._drafted = 0
         self._skip_left = 0
-        self._skip_len = 1
         # [B + 1] int64: request-steps of drafted steps that got 0, 1, ..., B
         # nodes (device); the request-steps of context-only steps (0 nodes) are
         # counted on the host. ``chosen_histogram`` is both.
@@ -90,19 +95,37 @@ class BudgetController:
         )
         self._skipped_request_steps = 0
         self.num_skipped_steps = 0
-        # Drafting must beat decoding without drafts by this share: a drafter
-        # pass is paid up front, and the estimates are noisy (step times on a
-        # shared CPU spread by +-30%), so a marginal win is no win.
+        # Running means over drafted batches (weight ``advantage_memory`` on the
+        # past, about 1 / (1 - memory) batches): tokens the best prefix commits,
+        # the seconds of that step (verify + next full pass), and the tokens
+        # decoding without drafts commits in those seconds. A ratio of means,
+        # not a mean of ratios: a long step weighs what it costs.
+        self.advantage_memory = 0.75
+        self._mean_tokens = 0.0
+        self._mean_seconds = 0.0
+        self._mean_plain_tokens = 0.0
+        # Whether drafting is on; the first drafted batch must show a gain.
+        self._drafting = False
+        # Hysteresis of the draft / skip switch on the advantage: drafting starts
+        # above 1 + min_gain and stops below 1 - max_loss (step times on a shared
+        # CPU spread by +-30%, and a switch costs a drafter pass or a probe run).
+        # A probe's tree is verified as far as it beats a plain step by min_gain.
         self.min_gain = 0.03
+        self.max_loss = 0.03
         # While drafting does not pay, a probe (a full pass instead of a
-        # context-only one) is exploration: its extra cost is kept within this
-        # share of the time, up to max_explore_skip skipped steps per probe.
-        # (Measured on 2 CPU cores: a probe's pass costs about one plain step at
-        # batch 1 and 4, so doubling runs capped at 64 spent 2-4% on probes.)
+        # context-only one, its tree verified as far as it pays) is
+        # exploration: its expected loss is kept within this share of the time.
         self.explore_share = 0.01
-        self.max_explore_skip = 1024
         self._steps = 0
         self.retime_every = 512
+
+    @property
+    def advantage(self) -> float | None:
+        """Committed tokens per second drafting every step over decoding
+        without drafts, from the drafted batches so far (None before the first)."""
+        if self._mean_plain_tokens <= 0:
+            return None
+        return self._mean_tokens / self._mean_plain_tokens
 
     # ------------------------------------------------------------------ #
     # Measurements
@@ -194,6 +217,19 @@ class BudgetController:
     # Decisions
     # ------------------------------------------------------------------ #
 
+    def _record_advantage(
+        self, tokens: float, seconds: float, plain_tokens: float
+    ) -> None:
+        """One drafted batch: ``tokens`` its best prefix commits in ``seconds``
+        (verify step + next full pass), ``plain_tokens`` what decoding without
+        drafts commits in as long. The first batch sets the means."""
+        memory = self.advantage_memory if self._mean_plain_tokens > 0 else 0.0
+        self._mean_tokens = memory * self._mean_tokens + (1 - memory) * tokens
+        self._mean_seconds = memory * self._mean_seconds + (1 - memory) * seconds
+        self._mean_plain_tokens = (
+            memory * self._mean_plain_tokens + (1 - memory) * plain_tokens
+        )
+
     def draft_next(self, num_reqs: int) -> bool:
         """Whether the coming drafter pass over ``num_reqs`` requests should
         draft (else: context only; its requests count as 0 nodes chosen)."""
@@ -254,26 +290,45 @@ class BudgetController:
 
         # One host read for the whole decision (the trees go to the host next
         # anyway, for the scheduler).
-        drafting, skipping, deepest_drafting, deepest_skipping = torch.stack(
-            [drafting, skipping, deepest(counts).float(), deepest(skip_counts).float()]
-        ).tolist()
+        drafting, skipping, deepest_drafting, deepest_skipping, drafted_nodes = (
+            torch.stack(
+                [
+                    drafting,
+                    skipping,
+                    deepest(counts).float(),
+                    deepest(skip_counts).float(),
+                    counts.sum().float(),
+                ]
+            ).tolist()
+        )
         deepest_chosen = int(deepest_drafting)
-        # Steady state: drafting every step vs decoding without drafts.
-        if drafting > plain * (1 + self.min_gain):
-            # Drafting pays: draft on. The next skip run starts at half the last
-            # one, so a load where drafting pays now and then is probed sparsely.
-            self._skip_left = 0
-            self._skip_len = max(1, self._skip_len // 2)
+        # This batch as a sample of drafting every step: its best prefix's step.
+        seconds = float(verify[int(drafted_nodes)] + full)
+        self._record_advantage(drafting * seconds, seconds, plain * seconds)
+        if self._drafting:
+            self._drafting = self.advantage >= 1 - self.max_loss
         else:
-            # It does not pay at this load: context-only passes, then a probe.
-            probe = max(full - context, 0.0)
-            # Skipped steps per probe such that probe <= share * (run + 1) steps.
-            explore_run = min(
-                self.max_explore_skip,
-                math.ceil(probe / (self.explore_share * max(plain_step, 1e-9))) - 1,
+            self._drafting = self.advantage > 1 + self.min_gain
+        if not self._drafting:
+            # Context-only passes, then a probe. Its expected loss against
+            # decoding without drafts: at most its pass over a context-only
+            # one (its tree is then verified only as far as it pays), at most
+            # what a drafting step loses on average.
+            loss = min(
+                max(full - context, 0.0),
+                max(self._mean_seconds - self._mean_tokens / plain, 0.0),
             )
-            self._skip_left = max(self._skip_len, explore_run)
-            self._skip_len = min(2 * self._skip_len, self.max_skip)
+            # Skipped steps per probe such that loss <= share * (run + 1) steps.
+            self._skip_left = int(
+                min(
+                    self.max_skip,
+                    max(
+                        1,
+                        math.ceil(loss / (self.explore_share * max(plain_step, 1e-9)))
+                        - 1,
+                    ),
+                )
+            )
             # This tree is drafted already (its pass is paid): verify the prefix
             # that beats one plain step, or nothing.
             if skipping > plain * (1 + self.min_gain):

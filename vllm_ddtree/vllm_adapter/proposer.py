@@ -38,7 +38,7 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = min(ddtree.draft_len, ddtree.budget)
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
-        # False: the next pass only writes the drafter's context K/V, with no
+        # False: the next pass only queues the drafter's context K/V, with no
         # drafter forward, and drafts nothing (set by the auto budget).
         self.draft_this_step = True
         # Depths whose draft logits are computed (<= draft_len; the drafter's
@@ -46,8 +46,9 @@ class DDTreeProposer(DFlashProposer):
         # shallow, since the LM head over the full vocabulary is most of a pass.
         self.draft_depth = self.draft_len
         # Context K/V of steps without drafts, not yet written: (target hidden
-        # states [n, 3H], positions [n], slots [n]) per step, written in one
-        # batch before the next drafter forward (or when max_deferred_rows).
+        # states [n, 3H], positions [n], slots [n], committed rows [n] bool) per
+        # step, written in one batch before the next drafter forward (or when
+        # max_deferred_rows).
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._deferred_rows = 0
         self.max_deferred_rows = 4096
@@ -55,9 +56,6 @@ class DDTreeProposer(DFlashProposer):
         # auto budget leaves them out of its pass-cost samples (a flush writes rows
         # earlier steps queued; drafting or not, they are written).
         self.flush_seconds = 0.0
-        # Set by the runner before each pass: whether the step just run verified
-        # any draft (else none of its rows was rejected).
-        self.verified_drafts = True
 
     def load_model(self, target_model, *args, **kwargs) -> None:
         # Every target attention layer is checked now, at engine start: a layer
@@ -119,8 +117,9 @@ class DDTreeProposer(DFlashProposer):
         next_token_ids = kwargs["next_token_ids"]
         self._draft_logits = None
         self.last_tree = None
-        if not self.draft_this_step:
-            return self._store_context_only(**kwargs)
+        # A step without drafts never gets here: DDTreeVerifier.before_propose
+        # queues its context K/V (defer_context) and returns no drafts.
+        assert self.draft_this_step, "context-only steps are handled by the verifier"
         self.flush_context()
         super().propose(num_speculative_tokens=self.draft_len, **kwargs)
         logits = self._draft_logits
@@ -138,77 +137,36 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
 
-    def _store_context_only(
-        self,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata,
-        num_rejected_tokens_gpu: torch.Tensor | None = None,
-        **_,
-    ) -> torch.Tensor:
-        """A step without drafts: the drafter's context K/V only, no forward.
-
-        DFlash's context K/V is a projection of the target hidden states of the
-        committed tokens, written at their own slots; the block queries' K/V is
-        scratch (the next step's context overwrites the bonus token's slot). So
-        writing the context keeps every later draft exactly what it would have
-        been, and skips the drafter's forward (vLLM's K = 0 path runs it).
-
-        After a step that verified no draft (no rejected rows: its rows are the
-        committed tokens, at the slots of the drafter's KV group)
-        the write is deferred and batched with the next ones: writes are
-        replayed in order before the next drafter forward, so the cache reads
-        the same as if each had been made at once (a slot freed and reused in
-        between is written in the same order), at one projection per batch
-        instead of one per step.
-
-        Returns:
-            [R, 0] int64: no drafts.
-        """
-        self.num_speculative_tokens = 0
-        num_reqs = next_token_ids.shape[0]
-        empty = torch.empty(
-            num_reqs, 0, dtype=torch.int64, device=next_token_ids.device
-        )
-        if not self.verified_drafts and target_positions.dim() == 1:
-            self.defer_context(
-                target_hidden_states,
-                target_positions,
-                common_attn_metadata.slot_mapping,
-            )
-            return empty
-        self.flush_context()
-        hidden = self.model.combine_hidden_states(target_hidden_states)
-        # Context positions and slots (rejected rows: none), as a full pass lays
-        # them out; then the K/V projection and cache write of those rows.
-        num_tokens, _, _ = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=hidden,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
-        self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
-        return empty
-
     def defer_context(
         self,
         target_hidden_states: torch.Tensor,
         target_positions: torch.Tensor,
         slot_mapping: torch.Tensor,
+        committed: torch.Tensor | None = None,
     ) -> None:
-        """Queues the context K/V of a step's rows, all committed (no draft was
-        verified), for the next :meth:`flush_context`.
+        """Queues the context K/V of a step without drafts for the next
+        :meth:`flush_context`: no drafter forward this step.
+
+        DFlash's context K/V is a projection of the target hidden states of the
+        committed tokens, written at their own slots; the block queries' K/V is
+        scratch (the next step's context overwrites the bonus token's slot). So
+        writing the context keeps every later draft exactly what it would have
+        been, and skips the drafter's forward (vLLM's K = 0 path runs it). The
+        writes are replayed in order before the next drafter forward, so the
+        cache reads the same as if each had been made at once (a slot freed and
+        reused in between is written in the same order), at one projection per
+        batch instead of one per step.
+
+        After a verify step only the committed rows are written: each block's
+        accepted path (moved first in its block), not its rejected tail, as
+        vLLM's DFlash pass writes the context of a step with rejected drafts.
 
         Args:
             target_hidden_states: [n, 3H] the target's tapped hidden states.
             target_positions: [>= n] their positions (linear, not M-RoPE).
             slot_mapping: [>= n] their slots in the drafter's KV group.
+            committed: [n] bool, the rows whose tokens were committed (a verify
+                step's rejected tree rows are not); None: every row.
         """
         num_tokens = target_hidden_states.shape[0]
         # Copies: the runner reuses its hidden-state and slot buffers.
@@ -217,6 +175,9 @@ class DDTreeProposer(DFlashProposer):
                 target_hidden_states.clone(),
                 target_positions[:num_tokens].clone(),
                 slot_mapping[:num_tokens].to(torch.int64, copy=True),
+                torch.ones(num_tokens, dtype=torch.bool, device=slot_mapping.device)
+                if committed is None
+                else committed.clone(),
             )
         )
         self._deferred_rows += num_tokens
@@ -228,11 +189,17 @@ class DDTreeProposer(DFlashProposer):
         if not self._deferred:
             return
         started = time.perf_counter()
-        hidden, positions, slots = (
+        hidden, positions, slots, committed = (
             torch.cat(x) for x in zip(*self._deferred, strict=True)
         )
         self._deferred.clear()
         self._deferred_rows = 0
+        # One host sync per flush (the boolean selection), none per step.
+        hidden, positions, slots = (
+            hidden[committed],
+            positions[committed],
+            slots[committed],
+        )
         self.model.precompute_and_store_context_kv(
             self.model.combine_hidden_states(hidden), positions, slots
         )

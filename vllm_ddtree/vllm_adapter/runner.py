@@ -120,10 +120,14 @@ class DDTreeVerifier:
         # [max_reqs, B + 1, B + 1] bool: this step's ancestor masks (host side),
         # allocated once.
         rows = ddtree.budget + 1
-        self._visibility = torch.zeros(runner.max_num_reqs, rows, rows, dtype=torch.bool)
+        self._visibility = torch.zeros(
+            runner.max_num_reqs, rows, rows, dtype=torch.bool
+        )
         # Device-side counters (no sync): verify steps with a tree, and requests
         # whose accepted path left the chain (a sibling was accepted somewhere).
-        self.num_tree_verifies = torch.zeros((), dtype=torch.int64, device=runner.device)
+        self.num_tree_verifies = torch.zeros(
+            (), dtype=torch.int64, device=runner.device
+        )
         self.num_branch_paths = torch.zeros((), dtype=torch.int64, device=runner.device)
 
     # ------------------------------------------------------------------ #
@@ -297,12 +301,15 @@ class DDTreeVerifier:
             # output independent of its batch and of the step kind).
             if not extras.needs_own_sampler:
                 return runner.sampler(
-                    logits=logits, sampling_metadata=runner.input_batch.sampling_metadata
+                    logits=logits,
+                    sampling_metadata=runner.input_batch.sampling_metadata,
                 )
             device = logits.device
             tree = _root_only_tree(num_reqs, device)
             rows = torch.arange(num_reqs, device=device).unsqueeze(1)
-            out, logprobs = _verify_batch(self, tree, rows, logits, extras, None, width=1)
+            out, logprobs = _verify_batch(
+                self, tree, rows, logits, extras, None, width=1
+            )
             return SamplerOutput(
                 sampled_token_ids=out.committed_tokens[:, :1].to(torch.int32),
                 logprobs_tensors=logprobs,
@@ -363,23 +370,25 @@ class DDTreeVerifier:
         drafter.flush_seconds = 0.0
         drafter.draft_this_step = budget.draft_next(num_reqs)
         drafter.draft_depth = budget.draft_depth
-        step = self._step
-        drafter.verified_drafts = step is not None and any(step.num_drafts)
-        if drafter.draft_this_step or drafter.verified_drafts:
+        if drafter.draft_this_step:
             return aux_hidden_states, None
-        # Every row of the step is committed: its context K/V is queued here,
-        # without vLLM's drafter-input preparation (next tokens, rejected-row
-        # bookkeeping, hidden-state gather), which is most of a context-only
-        # step's cost and has nothing to prepare.
+        # No drafts this step: the context K/V of its committed rows is queued
+        # here (written before the next drafter forward), without vLLM's
+        # drafter-input preparation (next tokens, rejected-row bookkeeping,
+        # hidden-state gather), which was most of a context-only step's cost.
         num_tokens = scheduler_output.total_num_scheduled_tokens
+        committed = None if plan is None else _committed_rows(self._step, plan)
         if aux_hidden_states is not None:
-            target_hidden = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+            target_hidden = torch.cat(
+                [h[:num_tokens] for h in aux_hidden_states], dim=-1
+            )
         else:
             target_hidden = hidden_states[:num_tokens]
         drafter.defer_context(
             target_hidden,
             runner._get_positions(num_tokens),
             common_attn_metadata.slot_mapping,
+            committed,
         )
         seconds = time.perf_counter() - self._propose_started
         # Out of the target step's time, but out of the pass-cost sample too: a
@@ -424,12 +433,28 @@ class DDTreeVerifier:
         self._plan = None
         return draft
 
-
     def attach_draft_parents(self, draft_token_ids):
         """``take_draft_token_ids``: the drafts go to the scheduler with their
         trees' parents (``DraftTokenIds.draft_parents``), which its grammar
         bitmask needs (:mod:`.structured_output`)."""
         return attach_draft_parents(draft_token_ids, self.stash)
+
+
+def _committed_rows(step: StepTrees, plan: CommitPlan) -> torch.Tensor:
+    """[T] bool: the rows of a verify step whose tokens were committed, every
+    row but each tree block's rejected tail (its accepted path having been moved
+    first in the block); no host sync."""
+    device = plan.num_committed.device
+    num_rows = plan.hidden_perm.shape[0]
+    starts = step.block_starts.to(device)
+    sizes = torch.tensor(step.num_drafts, device=device) + 1  # [R] block rows
+    offsets = torch.arange(max(step.num_drafts) + 1, device=device)
+    rejected = (offsets >= plan.num_committed.unsqueeze(1)) & (
+        offsets < sizes.unsqueeze(1)
+    )  # [R, longest block]
+    committed = torch.ones(num_rows + 1, dtype=torch.bool, device=device)
+    committed[torch.where(rejected, starts.unsqueeze(1) + offsets, num_rows)] = False
+    return committed[:num_rows]
 
 
 def _permute_rows(hidden: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
