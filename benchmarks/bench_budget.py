@@ -276,7 +276,7 @@ class DecisionTrace:
 
         c = self.controller
         num_reqs = tree.num_reqs
-        full = c.full_drafter_cost.estimate(num_reqs * (c.draft_depth + 1))
+        full = c.full_pass_seconds(num_reqs, c.draft_depth)
         if not c.tree_step_cost.ready or full is None:
             return {"warmup": True}
         context = c.context_drafter_cost.estimate(num_reqs)
@@ -514,9 +514,9 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
             if c.get(key):
                 lines.append(f"| {label} | " + " | ".join(f"{1e3 * v:.1f}" for _, v in c[key])
                              + " |")
-        # The models' inputs (BudgetController.record_drafter): block rows
-        # (requests x (depth + 1)) for a full pass, requests for a context-only one.
-        for label, key in (("full drafter pass (ms) by block rows", "full_drafter_cost_s"),
+        # The models' inputs (BudgetController.record_drafter): requests.
+        for label, key in (("full drafter pass at the whole block's depth (ms) by requests",
+                            "full_drafter_cost_s"),
                            ("context-only drafter pass (ms) by requests",
                             "context_drafter_cost_s")):
             if c.get(key):

@@ -286,13 +286,15 @@ def test_controller_keeps_probes_within_the_exploration_share():
     """A drafter pass dearer than a plain step, drafts that never pay: the
     context-only runs between probes are long enough that the probes' extra
     drafter time (full pass - context-only pass) is about explore_share of the
-    time, not the 1, 2, 4, ... doubling's (measured on CPU: 2-4%)."""
+    time, not the 1, 2, 4, ... doubling's (measured on CPU: 2-4%). A pass's
+    cost depends on its depth (the LM head over fewer positions): each probe's
+    pass is recorded at its depth, as the runner records it."""
     pytest.importorskip("vllm")
     full, context, per_row, num_reqs = 0.05, 0.002, 0.01, 2
     controller = _controller(per_row=per_row, full=full, context=context)
     elapsed = probe_time = 0.0
     depth = controller.max_depth  # the depth of the pass that drafted the tree
-    for _ in range(6):
+    for _ in range(12):
         counts = controller.choose(_trees(sharpness=0.0))
         assert counts.tolist() == [0, 0]
         # The true costs (_controller records full * requests at depth 4).
@@ -303,6 +305,8 @@ def test_controller_keeps_probes_within_the_exploration_share():
         while not controller.draft_next(num_reqs):
             elapsed += plain
         depth = controller.draft_depth
+        controller.record_drafter(True, num_reqs, full * num_reqs * (depth + 1) /
+                                  (controller.max_depth + 1), depth)
     share = probe_time / elapsed
     assert 0.5 * controller.explore_share <= share <= 1.1 * controller.explore_share, share
 

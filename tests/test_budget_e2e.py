@@ -116,6 +116,41 @@ def test_forced_drafter_skips_stay_exact(pairs, plain, monkeypatch):
     assert stats["accepted_tokens"] > 0, stats
 
 
+def test_shallow_trees_draft_a_shorter_block(pairs, plain, monkeypatch):
+    """A pass at draft depth d < L lays out the bonus and d mask queries per
+    request (the drafter's forward and LM head shrink with the trees), its
+    trees are at most d deep, and the output stays exact (the noisy oracle
+    pair: most drafts accepted, some rejected)."""
+    from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
+
+    calls, passes = {"n": 0}, []
+    draft_next = budget_control.BudgetController.draft_next
+
+    def alternating_depth(self, num_reqs):
+        drafting = draft_next(self, num_reqs)
+        calls["n"] += 1
+        self.draft_depth = 1 + calls["n"] % (BLOCK_SIZE - 1)  # 1 .. L - 1, then L
+        return drafting
+
+    propose = DDTreeProposer.propose
+
+    def recording_propose(self, num_speculative_tokens, **kwargs):
+        out = propose(self, num_speculative_tokens, **kwargs)
+        # DFlash keeps the K it was asked for: its block is 1 + K queries.
+        passes.append((self.draft_depth, self.num_speculative_tokens,
+                       int(self.last_tree.depths.max())))
+        return out
+
+    monkeypatch.setattr(budget_control.BudgetController, "draft_next", alternating_depth)
+    monkeypatch.setattr(DDTreeProposer, "propose", recording_propose)
+    target, drafter = pairs["noisy"]
+    out, stats = generate(target, auto(drafter))
+    assert out == plain["noisy"]
+    assert {d for d, _, _ in passes} >= {1, 2, BLOCK_SIZE - 1}, passes
+    assert all(k == d and deepest <= d for d, k, deepest in passes), passes
+    assert stats["accepted_tokens"] > 0, stats
+
+
 def test_skipped_drafter_steps_keep_its_context_complete(pairs, monkeypatch):
     """A drafter step skipped (context K/V written, at once or deferred and
     batched, no forward) leaves every later draft what it is without skips: the

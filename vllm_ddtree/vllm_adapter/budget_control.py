@@ -9,8 +9,8 @@ the target step and in the drafter pass, accepted depths); the controller keeps
   steps (no drafts: the stock attention only, no tree verification), both
   started from a start-up profile (vLLM's dummy forward at 1, 2, 4, ... rows,
   :meth:`BudgetController.profile`) and refined from every measured step;
-* two drafter cost models: the full DFlash pass (block queries, draft logits
-  for ``draft_depth`` positions, trees), by requests * (depth + 1), and the
+* drafter cost models: the full DFlash pass (block queries, draft logits
+  for ``draft_depth`` positions, trees), by requests, one per depth, and the
   context-only pass (the drafter's context K/V of the new tokens, no drafter
   forward, nothing drafted), by requests;
 * an ``AcceptanceCalibration`` (budget.py) of the draft path
@@ -32,9 +32,9 @@ drafts again after as many skipped steps as keep the probes' expected loss
 within ``explore_share`` of the time: soon when drafting is near break-even,
 rarely when it is far below (at most ``max_skip``). The tree a probe drafted is
 verified only as far as it beats one plain step (its pass is paid). While the
-chosen trees stay shallow the drafter computes logits for the depths in use
-only (the LM head over the vocabulary is most of a pass), and for the whole
-block every ``full_depth_every``-th pass.
+chosen trees stay shallow the drafter drafts the depths in use only (a shorter
+block: its forward and its LM head over the vocabulary shrink with it), and the
+whole block every ``full_depth_every``-th pass.
 
 Lossless: budgets depend on the draft scores and on timings only, never on the
 target's samples of the step being verified; a trimmed tree is a prefix of the
@@ -70,13 +70,16 @@ class BudgetController:
         self.max_skip = max_skip
         self.tree_step_cost = StepCostModel(max_rows)
         self.plain_step_cost = StepCostModel(max_rows)
-        # The full pass by requests * (depth + 1): the drafter's block forward
-        # plus the LM head over ``depth`` positions per request.
-        self.full_drafter_cost = StepCostModel(max_reqs * (max_depth + 1))
+        # The full pass by requests, one model per draft depth (the drafter's
+        # block forward, the same at every depth, plus the LM head over
+        # ``depth`` positions per request): one model over requests * (depth +
+        # 1) read shallow passes ~30% low, so probes came too often.
+        self._max_reqs = max_reqs
+        self._full_drafter_costs: dict[int, StepCostModel] = {}
         self.context_drafter_cost = StepCostModel(max_reqs)
         self.calibration = AcceptanceCalibration(max_depth, device)
         self.max_depth = max_depth
-        # Depths the next drafter pass computes logits for: the deepest node
+        # Depths the next drafter pass drafts (its block length): the deepest node
         # chosen in the last ``depth_window`` trees + ``depth_margin``, and every
         # ``full_depth_every``-th pass the whole block (so deeper trees that
         # start to pay are seen).
@@ -115,9 +118,26 @@ class BudgetController:
         # While drafting does not pay, a probe (a full pass instead of a
         # context-only one, its tree verified as far as it pays) is
         # exploration: its expected loss is kept within this share of the time.
-        self.explore_share = 0.01
+        self.explore_share = 0.005
         self._steps = 0
         self.retime_every = 512
+
+    @property
+    def full_drafter_cost(self) -> StepCostModel:
+        """The full pass's cost model at the whole block's depth (an empty one
+        before that depth's first pass)."""
+        return self._full_drafter_costs.get(self.max_depth) or StepCostModel(
+            self._max_reqs
+        )
+
+    def full_pass_seconds(self, num_reqs: int, depth: int) -> float | None:
+        """Predicted seconds of a full drafter pass at ``depth``: from that
+        depth's model, else the next deeper one measured (never an
+        underestimate), else None."""
+        for d in sorted(self._full_drafter_costs):
+            if d >= depth and self._full_drafter_costs[d].ready:
+                return self._full_drafter_costs[d].predict(num_reqs)
+        return None
 
     @property
     def advantage(self) -> float | None:
@@ -187,7 +207,11 @@ class BudgetController:
         if num_reqs > 0 and seconds > 0:
             if full:
                 depth = self.max_depth if depth is None else depth
-                self.full_drafter_cost.update(num_reqs * (depth + 1), seconds)
+                model = self._full_drafter_costs.get(depth)
+                if model is None:
+                    model = StepCostModel(self._max_reqs)
+                    self._full_drafter_costs[depth] = model
+                model.update(num_reqs, seconds)
             else:
                 self.context_drafter_cost.update(num_reqs, seconds)
 
@@ -234,7 +258,7 @@ class BudgetController:
         """Whether the coming drafter pass over ``num_reqs`` requests should
         draft (else: context only; its requests count as 0 nodes chosen)."""
         self._steps += 1
-        skip = self.full_drafter_cost.ready and (
+        skip = bool(self._full_drafter_costs) and (
             not self.context_drafter_cost.ready or self._steps % self.retime_every == 0
         )  # time a context-only pass now and then: what skipping would save
         if not skip and self._skip_left > 0:
@@ -256,7 +280,7 @@ class BudgetController:
         """[R] nodes to keep per request (a prefix of each tree)."""
         num_nodes = tree.num_nodes
         num_reqs = tree.num_reqs
-        full = self.full_drafter_cost.estimate(num_reqs * (self.draft_depth + 1))
+        full = self.full_pass_seconds(num_reqs, self.draft_depth)
         if not self.tree_step_cost.ready or full is None:
             return num_nodes  # warming up: the whole budget
         nodes = tree.scores[:, 1:]  # [R, B] log path probabilities

@@ -247,6 +247,7 @@ class _ForwardPlan:
         # causal kernel; only the others are recomputed.
         self.entries = []
         self._gather: dict[tuple, list[torch.Tensor]] = {}
+        self._expanded: dict[tuple, torch.Tensor] = {}
         rows = []
         for req in batch.requests:
             r, t, nc = req.req_index, req.num_rows, req.prefix_len
@@ -282,6 +283,23 @@ class _ForwardPlan:
                 self.entries.append((q0 + fix, t, nc, ids, bias))
             rows.append(torch.arange(q0, q0 + t, dtype=torch.int64))
         self.rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+
+    def expanded_bias(
+        self, bias: torch.Tensor, num_kv_heads: int, group: int
+    ) -> torch.Tensor:
+        """An entry's mask [F, nc + T] as [Hkv, group * F, nc + T] (query rows
+        head-major, as the grouped queries), made once per forward."""
+        key = (id(bias), num_kv_heads, group)
+        out = self._expanded.get(key)
+        if out is None:
+            rows, cols = bias.shape
+            out = (
+                bias.expand(num_kv_heads, group, rows, cols)
+                .reshape(num_kv_heads, group * rows, cols)
+                .contiguous()
+            )
+            self._expanded[key] = out
+        return out
 
     def gather_indices(self, kv_cache: torch.Tensor, isa: str) -> list[torch.Tensor]:
         """Per entry, flat offsets into ``kv_cache`` of the K and V of cache positions
@@ -367,21 +385,27 @@ class DDTreeCPUAttentionImpl(
         ):
             # [2, Hkv, nc + t, D]: K and V of the committed prefix and the tree
             # block in one gather from the paged, ISA-packed cache.
-            kv = flat_cache.index_select(0, index.view(-1)).view(index.shape).float()
-            # Plain softmax attention, GQA by grouping query heads per KV head:
-            # about 2x faster than torch SDPA with a mask at these sizes on CPU.
+            kv = flat_cache.index_select(0, index.view(-1)).view(index.shape)
+            if kv.dtype != torch.float32:
+                kv = kv.float()
+            # Plain softmax attention, GQA by grouping query heads per KV head
+            # (about 2x faster than torch SDPA with a mask at these sizes on
+            # CPU): scale, mask and scores in one baddbmm, the mask expanded to
+            # [Hkv, group * F, nc + t] once per forward (shared by the layers).
             rows = rows_fixed.numel()
-            q = (
-                q_all[rows_fixed]
-                .float()
-                .transpose(0, 1)
-                .reshape(num_kv_heads, group * rows, -1)
+            q = q_all.index_select(0, rows_fixed).transpose(0, 1)  # [H, F, D]
+            q = q.reshape(num_kv_heads, group * rows, head_dim)
+            if q.dtype != torch.float32:
+                q = q.float()
+            scores = torch.baddbmm(
+                plan.expanded_bias(bias, num_kv_heads, group),
+                q,
+                kv[0].transpose(1, 2),
+                alpha=self.scale,
             )
-            scores = torch.bmm(q, kv[0].transpose(1, 2)).mul_(self.scale)
-            scores = scores.view(num_kv_heads, group, rows, -1).add_(bias)
-            probs = torch.softmax(scores.view(num_kv_heads, group * rows, -1), dim=-1)
+            probs = torch.softmax(scores, dim=-1)
             o = torch.bmm(probs, kv[1]).view(num_heads, rows, head_dim)
-            out_all[rows_fixed] = o.transpose(0, 1).to(out_all.dtype)
+            out_all.index_copy_(0, rows_fixed, o.transpose(0, 1).to(out_all.dtype))
         if batch.stash_kv and plan.rows.numel():
             name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
             batch.stash[name] = attn_context.LayerKVStash(
