@@ -185,11 +185,8 @@ class _Fetcher:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch_pinned(
@@ -254,6 +251,18 @@ def fetch_pinned(
         partial.replace(path)
         return path
 
+    def listed(page: str, label: str) -> tuple[str, str | None] | None:
+        """(url, listed sha256) of ``filename`` on a simple page, else None."""
+        try:
+            files = fetcher.listing(page)
+        except (OSError, urllib.error.URLError, ValueError) as e:
+            tried.append(f"{page}{label}: {e}")
+            return None
+        if filename not in files:
+            tried.append(f"{page}{label}: does not list {filename}")
+            return None
+        return files[filename]
+
     for link in sources.find_links:
         local = _file_path(link)
         if local is not None and local.is_dir():
@@ -262,29 +271,18 @@ def fetch_pinned(
                 return candidate
             tried.append(f"{link} (find-links folder): no {filename} with that sha256")
             continue
-        try:
-            files = fetcher.listing(link)
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            tried.append(f"{link} (find-links): {e}")
-            continue
-        if filename not in files:
-            tried.append(f"{link} (find-links): does not list {filename}")
-        elif download(files[filename][0]) is not None:
+        found = listed(link, " (find-links)")
+        if found is not None and download(found[0]) is not None:
             return path
     for index in sources.indexes:
         page = f"{index.rstrip('/')}/{normalize(project)}/"
-        try:
-            files = fetcher.listing(page)
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            tried.append(f"{page}: {e}")
+        found = listed(page, "")
+        if found is None:
             continue
-        if filename not in files:
-            tried.append(f"{page}: does not list {filename}")
-            continue
-        url, listed = files[filename]
-        if listed is not None and listed != sha256:
+        url, digest = found
+        if digest is not None and digest != sha256:
             tried.append(
-                f"{page}: lists {filename} with sha256 {listed}, not the pinned one"
+                f"{page}: lists {filename} with sha256 {digest}, not the pinned one"
             )
             continue
         if download(url) is not None:
