@@ -237,13 +237,15 @@ class DecisionTrace:
             self.decisions.append(before)
             return counts
 
-        def traced_record_step(rows, seconds, tree):
-            (self.tree_steps if tree else self.plain_steps).append((int(rows), seconds))
-            if not tree:
+        def traced_record_step(rows, seconds, tree_requests=0):
+            (self.tree_steps if tree_requests else self.plain_steps).append(
+                (int(rows), seconds))
+            if not tree_requests and rows == runner.input_batch.num_reqs:
+                # A decode step (prefills left out: their context is the prompt's).
                 # step_finished is still running: its time lands in the next step.
                 self.plain_ddtree_s.append(self._ddtree_s - self._sampler_s)
             self._ddtree_s = self._sampler_s = 0.0
-            return record_step(rows, seconds, tree)
+            return record_step(rows, seconds, tree_requests)
 
         def traced_update(path_probs, depths, verified, num_accepted):
             self.accepted.append(int(num_accepted.sum()))
@@ -277,7 +279,7 @@ class DecisionTrace:
         c = self.controller
         num_reqs = tree.num_reqs
         full = c.full_pass_seconds(num_reqs, c.draft_depth)
-        if not c.tree_step_cost.ready or full is None:
+        if not c.plain_step_cost.ready or full is None:
             return {"warmup": True}
         context = c.context_drafter_cost.estimate(num_reqs)
         context = full if context is None else min(context, full)
@@ -291,8 +293,7 @@ class DecisionTrace:
                "plain_s": float(c.plain_step_cost.predict(num_reqs))}
         for b in self.budgets:
             rows = num_reqs * (1 + b)
-            verify = max(float(c.tree_step_cost.predict(rows)),
-                         float(c.plain_step_cost.predict(rows)))
+            verify = float(c.tree_step_seconds(rows, num_reqs))
             out[f"gain_{b}"] = float(values[:, :b].sum())
             out[f"verify_{b}_s"] = verify
         out["best_fixed_rate"] = max(
@@ -338,7 +339,7 @@ def curve(model):
 
 
 def controller_state(controller) -> dict:
-    return {"tree_step_cost_s": curve(controller.tree_step_cost),
+    return {"tree_overhead_s": curve(controller.tree_overhead_cost),
             "plain_step_cost_s": curve(controller.plain_step_cost),
             "full_drafter_cost_s": curve(controller.full_drafter_cost),
             "context_drafter_cost_s": curve(controller.context_drafter_cost),
@@ -354,7 +355,7 @@ class Engine(MethodEngine):
         super().__init__(name, spec, args, target, timers, max_batch=max_batch)
         trace.phase = "online"
         self.controller = getattr(getattr(self.runner, "ddtree", None), "budget", None)
-        self.profile_fit = curve(self.controller.tree_step_cost) if self.controller else None
+        self.profile_fit = curve(self.controller.plain_step_cost) if self.controller else None
         self.step_log = StepLog(self.runner)
         self.decisions = (DecisionTrace(self.controller, args.budgets, self.runner)
                           if self.controller is not None else None)
@@ -408,7 +409,7 @@ class Engine(MethodEngine):
         state = controller_state(self.controller)
         state["profile_fit_s"] = self.profile_fit
         return {"controller": state,
-                "cost_samples": {"tree": trace.of(self.controller.tree_step_cost),
+                "cost_samples": {"tree": trace.of(self.controller.tree_overhead_cost),
                                  "plain": trace.of(self.controller.plain_step_cost)}}
 
 
@@ -436,9 +437,9 @@ def evaluate_goals(runs: list[dict]) -> list[dict]:
                           "value": round(ratio, 3), "target": ">= 1.15",
                           "pass": ratio >= 1.15})
         d = auto.get("decisions") or {}
-        ref = (base.get("decode_steps") or {}).get("plain")
-        if d.get("plain_ddtree_ms") is not None and ref:
-            share = d["plain_ddtree_ms"] / ref["ms"]
+        decode = (base.get("decode_steps") or {}).get("plain")
+        if d.get("plain_ddtree_ms") is not None and decode:
+            share = d["plain_ddtree_ms"] / decode["ms"]
             goals.append({"name": f"auto skipped step: ddtree's work / nospec decode step, "
                                   f"T={temp} batch {batch}", "value": round(share, 4),
                           "target": "<= 0.02", "pass": share <= 0.02})
@@ -506,16 +507,17 @@ def report(path: Path, info: dict, runs: list[dict], goals: list[dict], extra: d
     if c:
         lines += ["## The auto engine's models at the end of its run", "",
                   "Step time (ms) by target rows, drafter pass excluded:", "",
-                  "| rows | " + " | ".join(str(int(k)) for k, _ in c["tree_step_cost_s"]) + " |",
-                  "|---|" + "---:|" * len(c["tree_step_cost_s"])]
+                  "| rows | " + " | ".join(str(int(k)) for k, _ in c["plain_step_cost_s"]) + " |",
+                  "|---|" + "---:|" * len(c["plain_step_cost_s"])]
         for label, key in (("start-up profile", "profile_fit_s"),
-                           ("tree steps, final", "tree_step_cost_s"),
                            ("plain steps, final", "plain_step_cost_s")):
             if c.get(key):
                 lines.append(f"| {label} | " + " | ".join(f"{1e3 * v:.1f}" for _, v in c[key])
                              + " |")
         # The models' inputs (BudgetController.record_drafter): requests.
-        for label, key in (("full drafter pass at the whole block's depth (ms) by requests",
+        for label, key in (("a tree step's cost beyond a plain step of as many rows, per "
+                            "tree request (ms), by tree requests", "tree_overhead_s"),
+                           ("full drafter pass at the whole block's depth (ms) by requests",
                             "full_drafter_cost_s"),
                            ("context-only drafter pass (ms) by requests",
                             "context_drafter_cost_s")):
@@ -653,11 +655,10 @@ def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
     files.append(_save(plt, fig, out, f"{tag}_tokps.png"))
     samples = extra.get("cost_samples")
     c = extra.get("controller")
-    if samples and c and c.get("tree_step_cost_s"):
+    if samples and c and c.get("plain_step_cost_s"):
         fig, ax = plt.subplots(figsize=(7, 4.8))
-        colors = {("profile", "tree"): "tab:red", ("online", "tree"): "tab:blue",
-                  ("online", "plain"): "tab:green"}
-        for kind in ("tree", "plain"):
+        colors = {("profile", "plain"): "tab:red", ("online", "plain"): "tab:green"}
+        for kind in ("plain",):
             for phase in ("profile", "online"):
                 if (phase, kind) not in colors:
                     continue
@@ -667,9 +668,8 @@ def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
                                color=colors[(phase, kind)],
                                label=f"{phase} {'' if phase == 'profile' else kind + ' '}"
                                      f"steps ({len(pts)})")
-        top = max(r for kind in samples.values() for _, r, _ in kind)
+        top = max(r for _, r, _ in samples["plain"])
         for key, label, ls in (("profile_fit_s", "after the profile", ":"),
-                               ("tree_step_cost_s", "tree steps, final", "-"),
                                ("plain_step_cost_s", "plain steps, final", "--")):
             pts = [(k, 1e3 * v) for k, v in c.get(key) or [] if k <= 2 * top]
             if pts:
@@ -677,7 +677,7 @@ def plots(out: Path, tag: str, runs: list[dict], extra: dict) -> list[str]:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         _label(ax, "target rows in the step", "target step time (ms, drafter pass excluded)",
-               "auto budget: step-cost model (piecewise linear in rows)")
+               "auto budget: plain step-cost model (piecewise linear in rows)")
         files.append(_save(plt, fig, out, f"{tag}_costfit.png"))
     return files
 

@@ -221,6 +221,9 @@ def reference(models):
     # trees. Drafting is kept on; each tree is still trimmed to its best prefix.
     controller = runner.ddtree.budget
     controller.min_gain, controller.max_loss = -1.0, 1.0  # start at once, never stop
+    # Trees cost their rows only (a tiny target's tree overhead would trim
+    # every tree to nothing): the trims then follow the rows' costs.
+    controller.tree_overhead_cost.update = lambda *args: None
     # Whether the controller trims depends on this machine's timings (on a busy
     # machine it kept whole trees); every other decision keeps one node fewer
     # than it chose (still a prefix of each tree), so trimmed trees are sampled

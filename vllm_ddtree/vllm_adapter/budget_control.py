@@ -4,11 +4,14 @@
 Each step the runner reports what it measured (rows verified, seconds spent in
 the target step and in the drafter pass, accepted depths); the controller keeps
 
-* two ``StepCostModel`` (budget.py) of the target step, seconds as a
-  piecewise-linear function of the rows: steps that verify trees, and plain
-  steps (no drafts: the stock attention only, no tree verification), both
+* a ``StepCostModel`` (budget.py) of the plain target step (no drafts: the
+  stock attention only), seconds as a piecewise-linear function of the rows,
   started from a start-up profile (vLLM's dummy forward at 1, 2, 4, ... rows,
-  :meth:`BudgetController.profile`) and refined from every measured step;
+  :meth:`BudgetController.profile`) and refined from every plain step; and one
+  of what a tree step costs beyond a plain step of as many rows, per request
+  verifying a tree, by tree requests (tree attention and the verify's
+  bookkeeping work per tree: on CPU a recompute per tree and layer, so a model
+  over rows alone read a 16-request tree step at half its measured cost);
 * drafter cost models: the full DFlash pass (block queries, draft logits
   for ``draft_depth`` positions, trees), by requests, one per depth, and the
   context-only pass (the drafter's context K/V of the new tokens, no drafter
@@ -68,8 +71,11 @@ class BudgetController:
     ):
         self.budget = budget
         self.max_skip = max_skip
-        self.tree_step_cost = StepCostModel(max_rows)
         self.plain_step_cost = StepCostModel(max_rows)
+        # Seconds per tree request beyond a plain step of as many rows, by tree
+        # requests (none before the first tree step: trees cost their rows).
+        self.tree_overhead_cost = StepCostModel(max_reqs)
+        self._tree_warmed_up = False
         # The full pass by requests, one model per draft depth (the drafter's
         # block forward, the same at every depth, plus the LM head over
         # ``depth`` positions per request): one model over requests * (depth +
@@ -152,9 +158,9 @@ class BudgetController:
     # ------------------------------------------------------------------ #
 
     def profile(self, runner, max_rows: int, repeats: int = 3) -> None:
-        """Start-up samples of both step models: vLLM's dummy forward at 1, 2, 4,
-        ... rows up to ``max_rows`` (the first run of each size is a warm-up),
-        the drafter's share of each run taken out."""
+        """Start-up samples of the plain step model: vLLM's dummy forward at 1,
+        2, 4, ... rows up to ``max_rows`` (the first run of each size is a
+        warm-up), the drafter's share of each run taken out."""
         import time
 
         drafter = runner.drafter
@@ -185,7 +191,6 @@ class BudgetController:
                     sync()  # device work is asynchronous: time it all
                     seconds = time.perf_counter() - started - spent[0]
                     if repeat:
-                        self.tree_step_cost.update(rows, seconds)
                         self.plain_step_cost.update(rows, seconds)
                 if rows >= max_rows:
                     break
@@ -193,11 +198,31 @@ class BudgetController:
         finally:
             del drafter.dummy_run  # the class's method again
 
-    def record_step(self, rows: int, target_seconds: float, tree: bool) -> None:
-        """One target step of ``rows`` rows; ``tree``: it verified drafts."""
-        if rows > 0 and target_seconds > 0:
-            model = self.tree_step_cost if tree else self.plain_step_cost
-            model.update(rows, target_seconds)
+    def record_step(
+        self, rows: int, target_seconds: float, tree_requests: int = 0
+    ) -> None:
+        """One target step of ``rows`` rows, ``tree_requests`` of its requests
+        verifying drafts (0: a plain step)."""
+        if rows <= 0 or target_seconds <= 0:
+            return
+        if not tree_requests:
+            self.plain_step_cost.update(rows, target_seconds)
+        elif not self._tree_warmed_up:
+            # The engine's first tree step sets up the tree attention (layout
+            # probe, plans): a warm-up, not a sample.
+            self._tree_warmed_up = True
+        elif self.plain_step_cost.ready:
+            extra = max(target_seconds - float(self.plain_step_cost.predict(rows)), 0.0)
+            self.tree_overhead_cost.update(tree_requests, extra / tree_requests)
+
+    def tree_step_seconds(self, rows, tree_requests: int):
+        """Predicted seconds of a verify step of ``rows`` rows (a number or an
+        array) with ``tree_requests`` requests verifying trees."""
+        seconds = self.plain_step_cost.predict(rows)
+        if tree_requests and self.tree_overhead_cost.ready:
+            per_tree = float(self.tree_overhead_cost.predict(tree_requests))
+            seconds = seconds + tree_requests * per_tree
+        return seconds
 
     def record_drafter(
         self, full: bool, num_reqs: int, seconds: float, depth: int | None = None
@@ -281,7 +306,7 @@ class BudgetController:
         num_nodes = tree.num_nodes
         num_reqs = tree.num_reqs
         full = self.full_pass_seconds(num_reqs, self.draft_depth)
-        if not self.tree_step_cost.ready or full is None:
+        if not self.plain_step_cost.ready or full is None:
             return num_nodes  # warming up: the whole budget
         nodes = tree.scores[:, 1:]  # [R, B] log path probabilities
         node_depths = tree.depths[:, 1:]  # [R, B]
@@ -293,14 +318,12 @@ class BudgetController:
         context = self.context_drafter_cost.estimate(num_reqs)
         context = full if context is None else min(context, full)
         # [R * B + 1] the verify step with k nodes in all, plus the drafter pass
-        # after it: full (drafting on) or context-only (skipping).
-        # A tree step never costs less than a plain step of as many rows (the
-        # tree model's small sizes may rest on the start-up profile alone, whose
-        # dummy forwards skip the step's fixed work).
+        # after it: full (drafting on) or context-only (skipping). With k >= 1
+        # every request is charged a tree's overhead (an upper bound: some may
+        # keep none).
         rows = num_reqs + np.arange(values.numel() + 1)
-        verify = np.maximum(
-            self.tree_step_cost.predict(rows), self.plain_step_cost.predict(rows)
-        )
+        verify = self.plain_step_cost.predict(rows)
+        verify[1:] = self.tree_step_seconds(rows[1:], num_reqs)
         counts, drafting = allocate_nodes(values, torch.from_numpy(verify + full))
         skip_counts, skipping = allocate_nodes(
             values, torch.from_numpy(verify + context)

@@ -110,7 +110,7 @@ class DDTreeVerifier:
         self._budget_logged = time.monotonic()
         self.stash = TreeStash(keep_path_probs=self.budget is not None)
         # This step's state, from prepare_tree_inputs to after_propose.
-        self._step_clock: tuple[float, int, bool] | None = None
+        self._step_clock: tuple[float, int, int] | None = None
         self._drafter_seconds = 0.0
         self._propose_started = 0.0
         self._step: StepTrees | None = None
@@ -164,10 +164,11 @@ class DDTreeVerifier:
     def step_started(self, scheduler_output) -> None:
         """Start of ``execute_model``: the auto budget times the step from here."""
         if self.budget is not None:
+            drafts = scheduler_output.scheduled_spec_decode_tokens.values()
             self._step_clock = (
                 time.perf_counter(),
                 scheduler_output.total_num_scheduled_tokens,
-                bool(scheduler_output.scheduled_spec_decode_tokens),
+                sum(1 for d in drafts if d),  # requests verifying drafts
             )
             self._drafter_seconds = 0.0
 
@@ -180,7 +181,7 @@ class DDTreeVerifier:
         # Host time of the step: on CPU the work itself; the stash's
         # device->host copy of the trees has synchronized before this point.
         seconds = time.perf_counter() - clock[0] - self._drafter_seconds
-        self.budget.record_step(clock[1], seconds, tree=clock[2])
+        self.budget.record_step(clock[1], seconds, clock[2])
         self._step_clock = None
         now = time.monotonic()
         if now - self._budget_logged >= _BUDGET_LOG_INTERVAL_S:
