@@ -273,24 +273,17 @@ class DecisionTrace:
         self.accepted: list[int] = []
 
     def _predict(self, tree) -> dict:
-        import numpy as np
         import torch
 
         c = self.controller
         num_reqs = tree.num_reqs
-        full = c.full_pass_seconds(num_reqs, c.draft_depth)
-        if not c.plain_step_cost.ready or full is None:
+        prices = c.prices(tree)
+        if prices is None:
             return {"warmup": True}
-        context = c.context_drafter_cost.estimate(num_reqs)
-        context = full if context is None else min(context, full)
-        nodes = tree.scores[:, 1:]
-        first = torch.arange(nodes.shape[1])
-        probs = torch.where(first < tree.num_nodes.unsqueeze(1), nodes.exp(), 0.0)
-        values = torch.cummin(c.calibration.node_values(probs, tree.depths[:, 1:]), 1).values
+        values, full, context, _ = prices
+        values = torch.cummin(values, 1).values  # as allocate_nodes takes them
         out = {"values": values, "reqs": num_reqs, "draft_depth": c.draft_depth,
-               "full_s": full,
-               "context_s": context,
-               "plain_s": float(c.plain_step_cost.predict(num_reqs))}
+               "full_s": full, "context_s": context, "plain_s": prices.plain}
         for b in self.budgets:
             rows = num_reqs * (1 + b)
             verify = float(c.tree_step_seconds(rows, num_reqs))

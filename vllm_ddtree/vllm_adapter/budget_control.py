@@ -47,6 +47,7 @@ DDTree, verified exactly as any tree.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,7 +55,16 @@ import torch
 from vllm_ddtree.budget import AcceptanceCalibration, StepCostModel, allocate_nodes
 from vllm_ddtree.tree import DraftTree
 
-__all__ = ["BudgetController"]
+__all__ = ["BudgetController", "StepPrices"]
+
+
+class StepPrices(NamedTuple):
+    """A drafted batch as the controller prices it."""
+
+    values: torch.Tensor  # [R, B] calibrated expected accepted tokens per node
+    full: float  # seconds of the next full drafter pass (at draft_depth)
+    context: float  # seconds of a context-only pass instead
+    plain: float  # seconds of a plain target step of the batch
 
 
 class BudgetController:
@@ -301,35 +311,47 @@ class BudgetController:
             self.draft_depth = max(1, min(self.max_depth, deepest))
         return True
 
-    def choose(self, tree: DraftTree) -> torch.Tensor:
-        """[R] nodes to keep per request (a prefix of each tree)."""
-        num_nodes = tree.num_nodes
+    def prices(self, tree: DraftTree) -> StepPrices | None:
+        """What :meth:`choose` weighs for ``tree``'s batch (None while the cost
+        models warm up)."""
         num_reqs = tree.num_reqs
         full = self.full_pass_seconds(num_reqs, self.draft_depth)
         if not self.plain_step_cost.ready or full is None:
-            return num_nodes  # warming up: the whole budget
+            return None
         nodes = tree.scores[:, 1:]  # [R, B] log path probabilities
-        node_depths = tree.depths[:, 1:]  # [R, B]
         first = torch.arange(nodes.shape[1], device=nodes.device)  # [B]
-        probs = torch.where(first < num_nodes.unsqueeze(1), nodes.exp(), 0.0)
-        values = self.calibration.node_values(probs, node_depths)
+        probs = torch.where(first < tree.num_nodes.unsqueeze(1), nodes.exp(), 0.0)
+        values = self.calibration.node_values(probs, tree.depths[:, 1:])
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
         context = self.context_drafter_cost.estimate(num_reqs)
         context = full if context is None else min(context, full)
+        plain = float(self.plain_step_cost.predict(num_reqs))
+        return StepPrices(values, full, context, plain)
+
+    def choose(self, tree: DraftTree) -> torch.Tensor:
+        """[R] nodes to keep per request (a prefix of each tree)."""
+        num_nodes = tree.num_nodes
+        num_reqs = tree.num_reqs
+        prices = self.prices(tree)
+        if prices is None:
+            return num_nodes  # warming up: the whole budget
+        values, full, context, plain_target = prices
+        node_depths = tree.depths[:, 1:]  # [R, B]
+        first = torch.arange(values.shape[1], device=values.device)  # [B]
         # [R * B + 1] the verify step with k nodes in all, plus the drafter pass
         # after it: full (drafting on) or context-only (skipping). With k >= 1
         # every request is charged a tree's overhead (an upper bound: some may
         # keep none).
         rows = num_reqs + np.arange(values.numel() + 1)
-        verify = self.plain_step_cost.predict(rows)
-        verify[1:] = self.tree_step_seconds(rows[1:], num_reqs)
+        verify = self.tree_step_seconds(rows, num_reqs)
+        verify[0] = plain_target  # k = 0: no tree
         counts, drafting = allocate_nodes(values, torch.from_numpy(verify + full))
         skip_counts, skipping = allocate_nodes(
             values, torch.from_numpy(verify + context)
         )
         # [s] a step without drafts: plain target step + context-only pass.
-        plain_step = float(self.plain_step_cost.predict(num_reqs)) + context
+        plain_step = plain_target + context
         plain = num_reqs / plain_step
 
         def deepest(n):  # the deepest node among each request's first n[r]

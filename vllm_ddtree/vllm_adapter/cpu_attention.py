@@ -385,18 +385,14 @@ class DDTreeCPUAttentionImpl(
         ):
             # [2, Hkv, nc + t, D]: K and V of the committed prefix and the tree
             # block in one gather from the paged, ISA-packed cache.
-            kv = flat_cache.index_select(0, index.view(-1)).view(index.shape)
-            if kv.dtype != torch.float32:
-                kv = kv.float()
+            kv = flat_cache.index_select(0, index.view(-1)).view(index.shape).float()
             # Plain softmax attention, GQA by grouping query heads per KV head
             # (about 2x faster than torch SDPA with a mask at these sizes on
             # CPU): scale, mask and scores in one baddbmm, the mask expanded to
             # [Hkv, group * F, nc + t] once per forward (shared by the layers).
             rows = rows_fixed.numel()
             q = q_all.index_select(0, rows_fixed).transpose(0, 1)  # [H, F, D]
-            q = q.reshape(num_kv_heads, group * rows, head_dim)
-            if q.dtype != torch.float32:
-                q = q.float()
+            q = q.reshape(num_kv_heads, group * rows, head_dim).float()
             scores = torch.baddbmm(
                 plan.expanded_bias(bias, num_kv_heads, group),
                 q,
