@@ -145,7 +145,9 @@ def ancestors_or_self(parents: list[int], i: int) -> list[int]:
 class Scenario:
     """Prefill-ed paged cache + one verify forward's inputs and metadata."""
 
-    def __init__(self, dtype, block_size, head_dim, reqs, seed=0, padding=3):
+    def __init__(
+        self, dtype, block_size, head_dim, reqs, seed=0, padding=3, window=-1
+    ):
         g = torch.Generator().manual_seed(seed)
         self.dtype, self.block_size, self.head_dim = dtype, block_size, head_dim
         self.isa = _get_attn_isa(dtype, block_size, head_dim)
@@ -217,7 +219,7 @@ class Scenario:
             dtype=dtype,
             query_start_loc=query_start_loc,
             causal=True,
-            sliding_window_size=-1,
+            sliding_window_size=window,
             isa=self.isa,
             enable_kv_split=False,
         )
@@ -276,9 +278,15 @@ class Scenario:
         impl.forward(self.layer, self.query, self.key, self.value, cache, metadata, out)
         return out, cache
 
-    def reference_tree_rows(self, drop_mask=False) -> dict[int, torch.Tensor]:
+    def reference_tree_rows(
+        self, drop_mask=False, window=0, sinks=None, softcap=0.0
+    ) -> dict[int, torch.Tensor]:
         """Per tree row: softmax attention over prefix + its ancestors-or-self only
-        (float64, explicit loops over nodes and heads)."""
+        (float64, explicit loops over nodes and heads). A node at depth d sits at
+        position prefix + d; ``window`` keeps keys at positions p - j < window;
+        ``sinks`` [H] join each head's denominator; ``softcap`` caps the scaled
+        scores. ``drop_mask``: every row sees the block rows before it, at its
+        linear position (what the stock causal kernel computes)."""
         ref = {}
         scale = self.head_dim**-0.5
         group = NUM_HEADS // NUM_KV_HEADS
@@ -289,6 +297,7 @@ class Scenario:
             q0 = self.qsl[b]
             pre_k = torch.cat([self.prefix_k[b], self.key[q0 : q0 + r.plain_rows]])
             pre_v = torch.cat([self.prefix_v[b], self.value[q0 : q0 + r.plain_rows]])
+            nc = pre_k.shape[0]
             t = self.tree_sizes[b]
             parents = self.tree.parents[k, :t].tolist()
             tree_q0 = q0 + r.plain_rows
@@ -296,11 +305,24 @@ class Scenario:
                 seen = list(range(i + 1)) if drop_mask else ancestors_or_self(parents, i)
                 keys = torch.cat([pre_k, self.key[[tree_q0 + j for j in seen]]]).double()
                 vals = torch.cat([pre_v, self.value[[tree_q0 + j for j in seen]]]).double()
+                # positions: a node's depth = its number of ancestors
+                key_pos = list(range(nc)) + [
+                    nc + (j if drop_mask else len(ancestors_or_self(parents, j)) - 1)
+                    for j in seen
+                ]
+                pos = key_pos[-1]  # the row itself
+                hidden = torch.tensor([window > 0 and pos - j >= window for j in key_pos])
                 row = torch.empty(NUM_HEADS, self.head_dim, dtype=torch.float64)
                 for h in range(NUM_HEADS):
                     q = self.query[tree_q0 + i, h].double()
                     scores = (keys[:, h // group] @ q) * scale
-                    row[h] = torch.softmax(scores, 0) @ vals[:, h // group]
+                    if softcap:
+                        scores = softcap * torch.tanh(scores / softcap)
+                    scores = scores.masked_fill(hidden, float("-inf"))
+                    if sinks is not None:
+                        scores = torch.cat([scores, sinks[h : h + 1].double()])
+                    probs = torch.softmax(scores, 0)[: keys.shape[0]]
+                    row[h] = probs @ vals[:, h // group]
                 ref[tree_q0 + i] = row
             k += 1
         return ref
@@ -367,19 +389,72 @@ def test_tree_rows_match_dense_reference(dtype, block_size, head_dim, atol):
     assert stash.key.data_ptr() != sc.key.data_ptr()
 
 
-def test_chain_rows_keep_the_stock_kernel_output():
+SINKS = torch.tensor([1.5, -0.5, 2.5, 0.25])
+
+# Per-layer features the tree rows must honour, as vLLM's layers pass them. The
+# windows: 8 cuts every prefix, 3 is shorter than the deepest trees (ancestors
+# fall out of it too); gpt-oss layers combine a window with sinks.
+LAYER_FEATURES = {
+    "window-8": dict(sliding_window=8),
+    "window-3": dict(sliding_window=3),
+    "sinks": dict(sinks=SINKS),
+    "softcap": dict(logits_soft_cap=0.8),
+    "window+sinks": dict(sliding_window=8, sinks=SINKS),
+}
+
+
+def _reference_args(kwargs) -> dict:
+    return dict(
+        window=kwargs.get("sliding_window", 0),
+        sinks=kwargs.get("sinks"),
+        softcap=kwargs.get("logits_soft_cap", 0.0),
+    )
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("features", list(LAYER_FEATURES))
+def test_tree_rows_honour_window_sinks_and_softcap(features, dtype, atol):
+    """Each tree row equals the reference with the layer's window (by the node's
+    depth, not its row), sinks and softcap; the reference's semantics are the
+    stock kernel's (checked on the stock kernel's own causal rows), and leaving
+    the feature out of the reference changes the tree rows (non-vacuous)."""
+    kwargs = LAYER_FEATURES[features]
+    window = kwargs.get("sliding_window", -1)
+    sc = Scenario(dtype, 32, 64, REQS, seed=11, window=window)
+    stock = make_impl(CPUAttentionBackendImpl, 64, **kwargs)
+    ours = make_impl(DDTreeCPUAttentionImpl, 64, **kwargs)
+    stock_out, _ = sc.run(stock)
+    tree_out, _ = sc.run(ours, batch=sc.tree_batch())
+    tree_rows = sc.tree_rows()
+    others = [i for i in range(sc.query.shape[0]) if i not in set(tree_rows)]
+    assert torch.equal(tree_out[others], stock_out[others])
+
+    def worst(out, ref):
+        return max((out[i].double() - ref[i]).abs().max().item() for i in ref)
+
+    args = _reference_args(kwargs)
+    assert worst(stock_out, sc.reference_tree_rows(drop_mask=True, **args)) <= atol
+    assert worst(tree_out, sc.reference_tree_rows(**args)) <= atol
+    plain = sc.reference_tree_rows()  # the same trees without the feature
+    assert worst(tree_out, plain) > 0.05
+
+
+@pytest.mark.parametrize("features", list(LAYER_FEATURES))
+def test_chain_rows_keep_the_stock_kernel_output(features):
     """Rows that see exactly the block rows before them (a chain; a tree's spine) are
-    not recomputed: their output is the stock causal kernel's, bit for bit."""
+    not recomputed: their output is the stock causal kernel's, bit for bit, with
+    the layer's window, sinks and softcap."""
+    kwargs = LAYER_FEATURES[features]
     sc = Scenario(torch.float32, 32, 64, REQS, seed=3)
     sizes = [t for t in sc.tree_sizes if t]
     chains = [[-1] + list(range(t - 1)) for t in sizes]
     tokens = [[1] * t for t in sizes]
     sc.tree = tree_from_parents(chains, tokens, max_depth=max(sizes) - 1)
-    stock_out, _ = sc.run(make_impl(CPUAttentionBackendImpl, 64))
+    stock_out, _ = sc.run(make_impl(CPUAttentionBackendImpl, 64, **kwargs))
     batch = sc.tree_batch()
-    tree_out, _ = sc.run(make_impl(DDTreeCPUAttentionImpl, 64), batch=batch)
+    tree_out, _ = sc.run(make_impl(DDTreeCPUAttentionImpl, 64, **kwargs), batch=batch)
     assert torch.equal(tree_out, stock_out)
-    ref = sc.reference_tree_rows()
+    ref = sc.reference_tree_rows(**_reference_args(kwargs))
     assert max((tree_out[i].double() - ref[i]).abs().max().item() for i in ref) <= 1e-5
     (stash,) = batch.stash.values()  # the commit still gets every tree row's K/V
     assert torch.equal(stash.batch_rows, torch.tensor(sc.tree_rows()))
@@ -439,10 +514,7 @@ def test_non_decoder_layers_pass_through_under_context():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(sliding_window=16),
         dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
-        dict(logits_soft_cap=30.0),
-        dict(sinks=torch.zeros(NUM_HEADS)),
         dict(kv_cache_dtype="fp8"),
     ],
 )
@@ -457,6 +529,10 @@ def test_model_load_check_passes_plain_layers_and_refuses_stock_impls():
     attn_context.check_model_tree_attention(
         model_with(make_impl(DDTreeCPUAttentionImpl, 64))
     )
+    for kwargs in LAYER_FEATURES.values():  # honoured, so not refused
+        attn_context.check_model_tree_attention(
+            model_with(make_impl(DDTreeCPUAttentionImpl, 64, **kwargs))
+        )
     encoder = make_impl(CPUAttentionBackendImpl, 64)
     encoder.attn_type = "encoder_only"  # no tree rows: left alone
     attn_context.check_model_tree_attention(model_with(encoder))

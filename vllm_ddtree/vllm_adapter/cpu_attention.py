@@ -12,7 +12,17 @@ attention over
     [committed prefix K/V ; the tree block's own K/V], both read from the paged cache
 
 with the additive mask ``[zeros(F, nc) | -inf where not visible]``, and stashes
-the tree K/V for the commit. Everything else (prefill, plain decode, the drafter's
+the tree K/V for the commit. The layer's own attention features carry over:
+
+* a sliding window ``w`` (per layer, e.g. gpt-oss and Gemma alternate windowed
+  and global layers): a node at depth ``d`` sits at position ``p = nc + d`` and
+  sees committed position ``j`` and its ancestor at depth ``a`` only while
+  ``p - j < w`` and ``d - a < w``, the rule the stock kernel applies to the
+  accepted path's rows; committed keys outside every row's window are not read;
+* attention sinks (gpt-oss): one learned logit per query head joins the softmax
+  denominator, with no value;
+* logit softcap: ``softcap * tanh(s / softcap)`` on the scaled scores, before
+  the mask. Everything else (prefill, plain decode, the drafter's
 non-causal pass, non-tree rows of a verify batch) is the stock kernel's output,
 bit for bit.
 
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
@@ -230,9 +241,30 @@ def unpack_prefix(
 # --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _TreeEntry:
+    """One tree request's rows that the stock kernel cannot give."""
+
+    # [F] int64 batch rows to recompute.
+    rows: torch.Tensor
+    # nc: committed positions 0 .. nc - 1 before the tree block.
+    prefix_len: int
+    # T: tree-block rows (cache positions nc .. nc + T - 1).
+    num_rows: int
+    # Block ids of cache positions 0 .. nc + T - 1.
+    block_ids: torch.Tensor
+    # [F, T] bool: the recomputed rows' ancestor-or-self columns.
+    visibility: torch.Tensor
+    # [F] and [T] int64 depths (sequence position - nc) of the recomputed rows
+    # and of every tree-block row: a node's RoPE position is nc + its depth.
+    row_depths: torch.Tensor
+    key_depths: torch.Tensor
+
+
 class _ForwardPlan:
     """Per (tree batch, metadata): batch rows, block ids and masks of the tree
-    requests, shared by every layer of one forward."""
+    requests, shared by every layer of one forward (layers may differ in their
+    sliding window; the masks and gathers are made once per window)."""
 
     def __init__(self, batch, metadata: CPUAttentionMetadata, block_size: int):
         qsl = metadata.query_start_loc.tolist()
@@ -240,13 +272,14 @@ class _ForwardPlan:
         num_reqs = len(qsl) - 1
         num_actual = int(metadata.num_actual_tokens)
         self.metadata = metadata  # keeps id(metadata) unique while cached
-        # (batch rows to recompute [F], T, nc, block ids of positions 0 .. nc + T - 1,
-        # their additive mask [F, nc + T] (0 = attend, -inf = not)).
+        self.block_size = block_size
         # A row that sees exactly the block rows before it (the chain's rows, and
-        # a tree's leading spine) already has its exact output from the stock
-        # causal kernel; only the others are recomputed.
-        self.entries = []
-        self._gather: dict[tuple, list[torch.Tensor]] = {}
+        # a tree's leading spine) sits at its linear position, so the stock
+        # causal kernel (window, sinks and softcap included) already gave its
+        # exact output; only the other rows are recomputed.
+        self.entries: list[_TreeEntry] = []
+        self._windowed: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._gather: dict[tuple, torch.Tensor] = {}
         self._expanded: dict[tuple, torch.Tensor] = {}
         rows = []
         for req in batch.requests:
@@ -269,26 +302,65 @@ class _ForwardPlan:
                     f"cache position {linear_root} (seq_len {seq_lens[r]}, query "
                     f"rows {q_len}, offset {req.row_offset})"
                 )
-            ids = (
-                metadata.block_table[r, : -(-(nc + t) // block_size)]
-                .to(torch.int64)
-                .clone()
-            )
             visibility = req.visibility.to("cpu")
             causal = torch.ones(t, t, dtype=torch.bool).tril()
             fix = torch.nonzero((visibility != causal).any(dim=1)).flatten()
             if fix.numel():
-                bias = torch.zeros(fix.numel(), nc + t, dtype=torch.float32)
-                bias[:, nc:].masked_fill_(~visibility[fix], float("-inf"))
-                self.entries.append((q0 + fix, t, nc, ids, bias))
+                depths = visibility.sum(dim=1) - 1  # ancestors of each node
+                ids = metadata.block_table[r, : -(-(nc + t) // block_size)]
+                self.entries.append(
+                    _TreeEntry(
+                        rows=q0 + fix,
+                        prefix_len=nc,
+                        num_rows=t,
+                        block_ids=ids.to(torch.int64).clone(),
+                        visibility=visibility[fix],
+                        row_depths=depths[fix],
+                        key_depths=depths,
+                    )
+                )
             rows.append(torch.arange(q0, q0 + t, dtype=torch.int64))
         self.rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+
+    def windowed(self, k: int, window: int) -> tuple[int, torch.Tensor]:
+        """Entry ``k`` under a layer's sliding window (``<= 0``: none).
+
+        Returns ``(first, bias)``: the first cache position any recomputed row
+        may see, and the additive mask ``[F, nc + T - first]`` over positions
+        ``first .. nc + T - 1`` (0 = attend, -inf = not). A row at depth ``d``
+        sits at position ``p = nc + d`` and sees committed positions ``j`` and
+        ancestors at ``nc + a`` with ``p - j < window``, as the stock kernel
+        lets the accepted path's rows see them.
+        """
+        key = (k, window)
+        out = self._windowed.get(key)
+        if out is None:
+            e = self.entries[k]
+            nc = e.prefix_len
+            visible = torch.cat(
+                [torch.ones(e.rows.numel(), nc, dtype=torch.bool), e.visibility], 1
+            )
+            first = 0
+            if window > 0:
+                # Committed keys older than the shallowest row's window are
+                # seen by no row: never gathered (their blocks may be freed).
+                first = max(0, nc + int(e.row_depths.min()) - window + 1)
+                key_pos = torch.cat([torch.arange(nc), nc + e.key_depths])[first:]
+                row_pos = nc + e.row_depths
+                visible = visible[:, first:] & (
+                    row_pos.view(-1, 1) - key_pos.view(1, -1) < window
+                )
+            bias = torch.zeros(visible.shape, dtype=torch.float32)
+            bias.masked_fill_(~visible, float("-inf"))
+            out = (first, bias)
+            self._windowed[key] = out
+        return out
 
     def expanded_bias(
         self, bias: torch.Tensor, num_kv_heads: int, group: int
     ) -> torch.Tensor:
-        """An entry's mask [F, nc + T] as [Hkv, group * F, nc + T] (query rows
-        head-major, as the grouped queries), made once per forward."""
+        """An entry's mask [F, n] as [Hkv, group * F, n] (query rows head-major,
+        as the grouped queries), made once per forward."""
         key = (id(bias), num_kv_heads, group)
         out = self._expanded.get(key)
         if out is None:
@@ -301,33 +373,32 @@ class _ForwardPlan:
             self._expanded[key] = out
         return out
 
-    def gather_indices(self, kv_cache: torch.Tensor, isa: str) -> list[torch.Tensor]:
-        """Per entry, flat offsets into ``kv_cache`` of the K and V of cache positions
-        0 .. nc + T - 1 (the prefix and the tree block, which the layer's KV write
-        has already stored), head-major: [2, Hkv, nc + T, D]. Every layer has the
-        same cache shape and layout, so one forward computes them once."""
+    def gather_index(
+        self, k: int, first: int, kv_cache: torch.Tensor, isa: str
+    ) -> torch.Tensor:
+        """Flat offsets into ``kv_cache`` of the K and V of entry ``k``'s cache
+        positions ``first .. nc + T - 1`` (committed keys, then the tree block,
+        which the layer's KV write has already stored), head-major: [2, Hkv, n,
+        D]. Every layer has the same cache shape and layout, so one forward
+        computes them once per window."""
         num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
-        key = (tuple(kv_cache.shape), kv_cache.dtype, isa)
-        cached = self._gather.get(key)
-        if cached is not None:
-            return cached
-        head_dim = two_d // 2
-        k_index, v_index = packed_layout(isa, kv_cache.dtype, block_size, head_dim)
-        region = block_size * head_dim
-        heads = torch.arange(num_kv_heads).view(-1, 1, 1)
-        out = []
-        for _, t, nc, ids, _ in self.entries:
-            pos = torch.arange(nc + t)
+        key = (k, first, tuple(kv_cache.shape), kv_cache.dtype, isa)
+        out = self._gather.get(key)
+        if out is None:
+            e = self.entries[k]
+            head_dim = two_d // 2
+            k_index, v_index = packed_layout(isa, kv_cache.dtype, block_size, head_dim)
+            region = block_size * head_dim
+            heads = torch.arange(num_kv_heads).view(-1, 1, 1)
+            pos = torch.arange(first, e.prefix_len + e.num_rows)
             plain = (pos % block_size).view(-1, 1) * head_dim + torch.arange(head_dim)
             base = (
-                (ids[pos // block_size].view(1, -1, 1) * num_kv_heads + heads)
+                (e.block_ids[pos // block_size].view(1, -1, 1) * num_kv_heads + heads)
                 * 2
                 * region
             )
-            out.append(
-                torch.stack([base + k_index[plain], base + region + v_index[plain]])
-            )
-        self._gather[key] = out
+            out = torch.stack([base + k_index[plain], base + region + v_index[plain]])
+            self._gather[key] = out
         return out
 
 
@@ -348,13 +419,9 @@ class DDTreeCPUAttentionImpl(
     BACKEND_NAME = "CPU"
 
     def tree_refusals(self) -> dict[str, bool]:
+        # Sliding windows, sinks and softcap are honoured (_tree_forward).
         return {
-            f"sliding window ({self.sliding_window})": self.sliding_window
-            not in (None, -1),
             "alibi": self.alibi_slopes is not None,
-            f"logits softcap ({self.logits_soft_cap})": self.logits_soft_cap
-            not in (None, 0),
-            "attention sinks": self.sinks is not None,
             f"kv cache dtype {self.kv_cache_dtype!r}": self.is_fp8_kv_cache,
             "KV-cache sharing across layers": self.kv_sharing_target_layer_name
             is not None,
@@ -376,32 +443,48 @@ class DDTreeCPUAttentionImpl(
         num_heads, head_dim = self.num_heads, self.head_size
         num_kv_heads = self.num_kv_heads
         group = num_heads // num_kv_heads
+        window = self.sliding_window if self.sliding_window not in (None, -1) else 0
+        softcap = float(self.logits_soft_cap or 0.0)
+        # [Hkv, group, 1]: per query head, the sink logit (gpt-oss) that joins
+        # the softmax denominator with no value, in float32 as the kernel runs it.
+        sinks = (
+            None
+            if self.sinks is None
+            else self.sinks.float().view(num_kv_heads, group, 1)
+        )
         q_all = query.view(query.shape[0], num_heads, head_dim)
         out_all = output.view(output.shape[0], num_heads, -1)
         flat_cache = kv_cache.reshape(-1)  # a view: per-layer caches are contiguous
-        indices = plan.gather_indices(kv_cache, isa) if plan.entries else []
-        for (rows_fixed, _, _, _, bias), index in zip(
-            plan.entries, indices, strict=True
-        ):
-            # [2, Hkv, nc + t, D]: K and V of the committed prefix and the tree
-            # block in one gather from the paged, ISA-packed cache.
+        for k, entry in enumerate(plan.entries):
+            first, bias = plan.windowed(k, window)
+            index = plan.gather_index(k, first, kv_cache, isa)
+            # [2, Hkv, n, D]: K and V of the visible committed positions and the
+            # tree block in one gather from the paged, ISA-packed cache.
             kv = flat_cache.index_select(0, index.view(-1)).view(index.shape).float()
             # Plain softmax attention, GQA by grouping query heads per KV head
             # (about 2x faster than torch SDPA with a mask at these sizes on
-            # CPU): scale, mask and scores in one baddbmm, the mask expanded to
-            # [Hkv, group * F, nc + t] once per forward (shared by the layers).
-            rows = rows_fixed.numel()
-            q = q_all.index_select(0, rows_fixed).transpose(0, 1)  # [H, F, D]
+            # CPU); the mask expanded to [Hkv, group * F, n] once per forward
+            # (shared by the layers with this window).
+            rows = entry.rows.numel()
+            q = q_all.index_select(0, entry.rows).transpose(0, 1)  # [H, F, D]
             q = q.reshape(num_kv_heads, group * rows, head_dim).float()
-            scores = torch.baddbmm(
-                plan.expanded_bias(bias, num_kv_heads, group),
-                q,
-                kv[0].transpose(1, 2),
-                alpha=self.scale,
-            )
-            probs = torch.softmax(scores, dim=-1)
+            mask = plan.expanded_bias(bias, num_kv_heads, group)
+            if softcap:
+                # softcap * tanh(s / softcap) on the scaled scores, then the mask.
+                scores = torch.bmm(q, kv[0].transpose(1, 2)).mul_(self.scale / softcap)
+                scores = scores.tanh_().mul_(softcap).add_(mask)
+            else:
+                scores = torch.baddbmm(mask, q, kv[0].transpose(1, 2), alpha=self.scale)
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                sink = sinks.expand(num_kv_heads, group, rows).reshape(
+                    -1, group * rows, 1
+                )
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+                probs = probs[..., :-1]
             o = torch.bmm(probs, kv[1]).view(num_heads, rows, head_dim)
-            out_all.index_copy_(0, rows_fixed, o.transpose(0, 1).to(out_all.dtype))
+            out_all.index_copy_(0, entry.rows, o.transpose(0, 1).to(out_all.dtype))
         if batch.stash_kv and plan.rows.numel():
             name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
             batch.stash[name] = attn_context.LayerKVStash(
