@@ -159,24 +159,6 @@ def test_quantized_kv_cache_is_refused_at_start_up(pair):
                  kv_cache_dtype="fp8", speculative_config=ddtree(drafter))
 
 
-@pytest.mark.parametrize(
-    "key,value,match",
-    [("sliding_window", 64, "sliding_window=64"),
-     ("attn_logit_softcapping", 30.0, "softcapping")],
-)
-def test_attention_variants_are_refused_at_start_up(root, pair, key, value, match):
-    """Refused while the config is built, not by the first verify step."""
-    path = root / f"{key}_target"
-    target = tiny_models.make_target(path, kind="random", seed=5)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg[key] = value
-    if key == "sliding_window":
-        cfg["use_sliding_window"] = True  # (Qwen3Config drops the window without it)
-    (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=match):
-        start(str(target), ddtree(pair[1]))
-
-
 def test_layer_refusals_fail_the_engine_start_not_a_request(pair, monkeypatch):
     """A layer feature only the built model knows fails LLM(...) itself."""
     from vllm_ddtree.vllm_adapter.cpu_attention import DDTreeCPUAttentionImpl

@@ -27,11 +27,11 @@ Tiny models (vllm_ddtree.tiny_models), engine in-process, at most one LLM alive.
 import gc
 import math
 import random
-from collections import Counter
 
 import pytest
 import torch
 
+from _law_utils import joint_tv, tv_bound
 from vllm_ddtree import tiny_models
 
 vllm = pytest.importorskip("vllm")
@@ -42,7 +42,6 @@ EOS = tiny_models.EOS_TOKEN_ID
 EOS_PARTNER = 200  # after this token the two-way target emits EOS with p ~ 0.3
 DIST_LAST = 67  # last prompt token of the distribution test: two likely successors
 N_DIST = 4000
-DELTA = 1e-6
 LONG_PROMPT = 600  # > the small engine's max_num_batched_tokens: chunked prefill
 
 
@@ -290,25 +289,6 @@ def test_near_deterministic_target_at_t08(models):
         assert o == [p[-1]] * 24, (p[-1], o)
     assert stats["drafts"] > 0
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.9 * BLOCK_SIZE, stats
-
-
-def tv_bound(num_cells: int, n1: int, n2: int, delta: float = DELTA) -> float:
-    """TV between the empirical laws of two independent samples (n1, n2 draws) of
-    one law on at most k cells exceeds this with probability < delta:
-    E|p1_i - p2_i| <= sqrt(p_i (1 - p_i) (1/n1 + 1/n2)) and, by Cauchy-Schwarz,
-    sum_i sqrt(p_i (1 - p_i)) <= sqrt(k - 1), so E[TV] <= 0.5 sqrt((k - 1) s) with
-    s = 1/n1 + 1/n2; a draw moves TV by at most 1/n1 (resp. 1/n2), so McDiarmid gives
-    P(TV > E[TV] + t) <= exp(-2 t^2 / s): t = sqrt(ln(1/delta) s / 2)."""
-    s = 1.0 / n1 + 1.0 / n2
-    return 0.5 * math.sqrt((num_cells - 1) * s) + math.sqrt(math.log(1 / delta) * s / 2)
-
-
-def joint_tv(a_outs, b_outs, cut) -> tuple[float, int]:
-    a = Counter(tuple(o[cut]) for o in a_outs)
-    b = Counter(tuple(o[cut]) for o in b_outs)
-    cells = set(a) | set(b)
-    tv = 0.5 * sum(abs(a[c] / len(a_outs) - b[c] / len(b_outs)) for c in cells)
-    return tv, len(a)
 
 
 def test_distribution_matches_non_speculative(models, reference, engine):

@@ -25,6 +25,7 @@ import re
 import pytest
 import torch
 
+from _law_utils import tv_bound
 from vllm_ddtree import tiny_models
 
 vllm = pytest.importorskip("vllm")
@@ -231,17 +232,6 @@ def test_other_grammar_backends_are_refused_per_request(models):
 # T > 0: the law of a constrained output, ddtree vs no speculation.
 SAMPLED_CHOICES = ["ab", "ac", "ba", "bb", "c"]  # depth-2 rows depend on the path
 N_SAMPLED = 3000
-DELTA = 1e-6
-
-
-def tv_bound(num_cells: int, n1: int, n2: int, delta: float = DELTA) -> float:
-    """TV between the empirical laws of two independent samples (n1, n2 draws)
-    of one law on at most k cells exceeds this with probability < delta
-    (expectation bound + McDiarmid; derivation in test_e2e_sampling.py)."""
-    import math
-
-    s = 1.0 / n1 + 1.0 / n2
-    return 0.5 * math.sqrt((num_cells - 1) * s) + math.sqrt(math.log(1 / delta) * s / 2)
 
 
 def sample_choices(target, speculative_config, temperature):

@@ -87,6 +87,7 @@ __all__ = [
     "MASK_TOKEN_ID",
     "NUM_BYTE_TOKENS",
     "build_target_layer_ids",
+    "make_arch_target",
     "make_dflash_drafter",
     "make_pair",
     "make_target",
@@ -244,6 +245,7 @@ def make_target(
     dtype: str = "float32",
     max_position_embeddings: int = 4096,
     oracle_noise: float = 0.0,
+    sliding_window: int | None = None,
 ) -> str:
     """Write a tiny ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` checkpoint.
 
@@ -265,6 +267,9 @@ def make_target(
             so the oracle drafter is partially accepted and rejections land at
             varied draft positions (default shape and seed, K = 4: about 89%
             of draft tokens accepted at 8.0, 76% at 12.0).
+        sliding_window: ``arch="qwen3"`` only: every layer attends to the last
+            ``sliding_window`` positions (``layer_types`` all
+            ``sliding_attention``: vLLM applies a model-wide window only then).
 
     Returns:
         ``str(path)``.
@@ -302,6 +307,15 @@ def make_target(
         pad_token_id=EOS_TOKEN_ID,
         dtype=dtype,
     )
+    if sliding_window is not None:
+        if arch != "qwen3":
+            raise ValueError("sliding_window applies to arch='qwen3' only")
+        common.update(
+            use_sliding_window=True,
+            sliding_window=int(sliding_window),
+            max_window_layers=0,
+            layer_types=["sliding_attention"] * num_layers,
+        )
     if arch == "qwen3":
         config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)
     else:
@@ -348,6 +362,125 @@ def make_target(
                 sd[p + name].mul_(oracle_noise)
 
     _save_safetensors(path / "model.safetensors", sd, torch_dtype)
+    write_tokenizer(path, vocab_size)
+    return str(path)
+
+
+# Tiny configurations of the target families public DFlash drafters serve
+# (hidden 128, head_dim 64, vocabulary 320), as transformers configs.
+_ARCH_DEFAULTS: dict[str, dict] = {
+    # Alternating sliding-window / full layers, attention sinks, MoE (top-2 of 4).
+    "gpt_oss": dict(
+        config_class="GptOssConfig",
+        architectures=["GptOssForCausalLM"],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    ),
+    # Full attention, MoE (top-2 of 4), q/k norms.
+    "qwen3_moe": dict(
+        config_class="Qwen3MoeConfig",
+        architectures=["Qwen3MoeForCausalLM"],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+}
+
+
+def make_arch_target(
+    path: str | os.PathLike,
+    arch: str,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    hidden_size: int = 128,
+    max_position_embeddings: int = 4096,
+    logit_std: float = _RANDOM_LOGIT_STD,
+    **config_overrides,
+) -> str:
+    """Write a tiny random target of a transformers architecture (see
+    ``_ARCH_DEFAULTS``: ``"gpt_oss"``, ``"qwen3_moe"``).
+
+    The weights are transformers' own initialisation of the model class, drawn
+    from ``torch.manual_seed(seed)``, with a variance-preserving
+    ``initializer_range`` (``hidden_size ** -0.5``) so that every layer, and
+    attention in particular, moves the output; then, as for
+    :func:`make_target`'s random targets, unit-RMS embeddings and an
+    ``lm_head`` whose logits spread by ``logit_std`` with the special and
+    reserved rows zero (greedy output varies with the context and runs to
+    ``max_tokens``).
+
+    Args:
+        path: output directory.
+        arch: a key of ``_ARCH_DEFAULTS``.
+        config_overrides: more config fields (e.g. ``sliding_window``).
+
+    Returns:
+        ``str(path)``.
+    """
+    import transformers
+
+    if arch not in _ARCH_DEFAULTS:
+        raise ValueError(f"arch must be one of {sorted(_ARCH_DEFAULTS)}, got {arch!r}")
+    _check_vocab_size(vocab_size)
+    fields = dict(_ARCH_DEFAULTS[arch])
+    config_class = getattr(transformers, fields.pop("config_class"))
+    fields.update(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=hidden_size**-0.5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+        dtype=dtype,
+    )
+    fields.update(config_overrides)
+    config = config_class(**fields)
+    torch_dtype = _torch_dtype(dtype)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(_randn(g, vocab_size, hidden_size))
+        head = _randn(
+            g, vocab_size, hidden_size, std=logit_std / math.sqrt(hidden_size)
+        )
+        head[_NUM_NAMED_TOKENS - 2 :] = 0.0  # eos, mask, reserved: logit 0
+        model.get_output_embeddings().weight.copy_(head)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(torch_dtype).save_pretrained(str(path))
+    _write_json(
+        path / "generation_config.json",
+        {"eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID},
+    )
     write_tokenizer(path, vocab_size)
     return str(path)
 

@@ -126,21 +126,10 @@ def check_target(target_model_config, kv_cache_dtype: str = "auto") -> None:
             "ddtree does not support hybrid (recurrent-state) targets: their state "
             "would need a tree-aware scan"
         )
+    # Sliding windows (per layer), attention sinks and logit softcap are the
+    # tree attention's to honour or refuse, layer by layer, when the worker
+    # loads the model (attn_context.check_model_tree_attention).
     hf = target_model_config.hf_text_config
-    window = target_model_config.get_sliding_window()
-    if window is not None:
-        raise ValueError(
-            f"ddtree does not support sliding-window attention (the target's "
-            f"sliding_window={window}): the tree attention attends to the whole "
-            "prefix. Serve it with disable_sliding_window=True (max_model_len is "
-            "then capped at the window), or without ddtree"
-        )
-    for key in ("attn_logit_softcapping", "attn_softcapping"):
-        if getattr(hf, key, None):
-            raise ValueError(
-                f"ddtree does not support attention logit softcapping (the target's "
-                f"{key}={getattr(hf, key)})"
-            )
     if getattr(hf, "alibi", False) or getattr(hf, "position_embedding_type", None) == (
         "alibi"
     ):
