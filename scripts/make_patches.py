@@ -114,6 +114,7 @@ TEST_FILES = {
     "tests/test_e2e_config.py": f"{TESTS}/test_config.py",
     "tests/test_tree_bitmask.py": f"{TESTS}/test_tree_bitmask.py",
     "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
+    "tests/_law_utils.py": f"{TESTS}/law_utils.py",
 }
 DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
 
@@ -127,6 +128,7 @@ IMPORT_REWRITES = [
         "from tests.v1.spec_decode.ddtree import tiny_models",
     ),
     ("vllm_ddtree.tiny_models", "tests.v1.spec_decode.ddtree.tiny_models"),
+    ("from _law_utils import", "from tests.v1.spec_decode.ddtree.law_utils import"),
     ("vllm_ddtree.", "vllm.v1.spec_decode.ddtree."),
 ]
 

@@ -127,11 +127,21 @@ class Scenario:
         first = self.qsl[r] + self.offset[r]
         return list(range(first, first + self.trees[r].num_rows))
 
-    def expected_row(self, r, i) -> torch.Tensor:
-        """float64 attention of tree row i of request r: prefix + ancestors."""
+    def expected_row(self, r, i, window=0, sinks=None, softcap=0.0) -> torch.Tensor:
+        """float64 attention of tree row i of request r: prefix + ancestors (a node
+        at depth d sits at position nc + d; ``window``, ``sinks`` and ``softcap``
+        as vLLM's kernels apply them)."""
         nc = self.prefix[r]
-        vis = self.trees[r].visibility[0, i]
+        all_vis = self.trees[r].visibility[0]
+        vis = all_vis[i]
+        depth = all_vis.sum(-1) - 1
         positions = list(range(nc)) + [nc + j for j in range(len(vis)) if vis[j]]
+        seq_pos = list(range(nc)) + [nc + int(depth[j]) for j in range(len(vis)) if vis[j]]
+        if window:
+            row_pos = nc + int(depth[i])
+            positions = [
+                c for c, s in zip(positions, seq_pos, strict=True) if row_pos - s < window
+            ]
         cache = self.kv_cache.double()
         keys, values = [], []
         for pos in positions:
@@ -142,7 +152,12 @@ class Scenario:
         k = torch.stack(keys, 1).repeat_interleave(NUM_HEADS // NUM_KV_HEADS, 0)
         v = torch.stack(values, 1).repeat_interleave(NUM_HEADS // NUM_KV_HEADS, 0)
         q = self.query[self.qsl[r] + self.offset[r] + i].double().view(NUM_HEADS, HEAD)
-        probs = (torch.einsum("hd,hnd->hn", q, k) * HEAD**-0.5).softmax(-1)
+        scores = torch.einsum("hd,hnd->hn", q, k) * HEAD**-0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().view(-1, 1)], dim=1)
+        probs = scores.softmax(-1)[:, : k.shape[1]]
         return torch.einsum("hn,hnd->hd", probs, v).reshape(-1)
 
     def run(self, impl, batch, layer=None, kv_cache=None):
@@ -179,6 +194,40 @@ def test_tree_rows_get_ancestor_attention_and_the_rest_is_stock(dtype, atol):
     others = [row for row in range(sc.num_tokens) if row not in tree_rows]
     assert others == [0, 1, 2, 3, 10, 14, 15]
     assert bool((out[others] == MARKER).all())
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(sliding_window=3),  # shorter than the tree: ancestors fall out
+        dict(sliding_window=8, sinks=[1.5, -0.5, 2.5, 0.25]),  # gpt-oss layers
+        dict(logits_soft_cap=0.6),
+    ],
+    ids=["window-3", "window-8-sinks", "softcap"],
+)
+def test_layer_window_sinks_and_softcap_reach_the_tree_rows(features):
+    """The layer's own window (by node depth), sinks and softcap, as vLLM's impl
+    stores them, reach the tree kernel; the features change the rows."""
+    kwargs = dict(features)
+    sinks = kwargs.pop("sinks", None)
+    if sinks is not None:
+        kwargs["sinks"] = torch.tensor(sinks, device=DEVICE)
+    impl = make_impl(**kwargs)
+    attn_context.check_model_tree_attention(model_with(impl))  # not refused
+    sc = Scenario()
+    out = sc.run(impl, sc.batch())
+    expect = dict(
+        window=features.get("sliding_window", 0),
+        sinks=None if sinks is None else torch.tensor(sinks),
+        softcap=features.get("logits_soft_cap", 0.0),
+    )
+    changed = 0.0
+    for r in (1, 2):
+        for i, row in enumerate(sc.tree_rows(r)):
+            want = sc.expected_row(r, i, **expect)
+            torch.testing.assert_close(out[row].double(), want, atol=2e-5, rtol=0)
+            changed = max(changed, (want - sc.expected_row(r, i)).abs().max().item())
+    assert changed > 0.05
 
 
 def test_a_causal_mask_would_be_caught():
@@ -280,9 +329,7 @@ def test_commit_moves_the_accepted_path_inside_the_cache(row_space):
 @pytest.mark.parametrize(
     "kwargs,attr,match",
     [
-        ({"sliding_window": 8}, None, "sliding window"),
         ({"alibi_slopes": [0.5] * NUM_HEADS}, None, "alibi"),
-        ({"logits_soft_cap": 30.0}, None, "logits softcap"),
         ({}, ("kv_cache_dtype", "fp8"), "kv cache dtype 'fp8'"),
         ({}, ("kv_sharing_target_layer_name", "layers.0.attn"), "KV-cache sharing"),
         ({}, ("head_size", 24), "head size 24"),

@@ -160,8 +160,18 @@ def make_case(
     )
 
 
-def naive_tree_attention(case: Case) -> torch.Tensor:
-    """Per row and head: softmax over the listed visible keys, in float64."""
+def tree_depths(case: Case) -> torch.Tensor:
+    """[num_reqs, rows] depth of every tree row (ancestors it sees, minus one)."""
+    return (case.visibility.sum(-1) - 1).clamp(min=0).to(torch.int32).to(DEVICE)
+
+
+def naive_tree_attention(
+    case: Case, sliding_window=0, sinks=None, softcap=0.0
+) -> torch.Tensor:
+    """Per row and head: softmax over the listed visible keys, in float64. A node
+    at depth d sits at position p + d and sees keys at positions s with
+    p + d - s < sliding_window; a sink joins each head's denominator; softcap
+    caps the scaled scores."""
     q_all = case.query.cpu().double()
     kc, vc = case.key_cache.cpu().double(), case.value_cache.cpu().double()
     bt = case.block_table.cpu().tolist()
@@ -176,22 +186,33 @@ def naive_tree_attention(case: Case) -> torch.Tensor:
             strict=True,
         )
     ):
+        depth = case.visibility[r].sum(-1) - 1
         for i in range(t):
-            keys = list(range(p)) + [
-                p + j for j in range(t) if case.visibility[r, i, j]
-            ]
+            seen = [j for j in range(t) if case.visibility[r, i, j]]
+            keys = list(range(p)) + [p + j for j in seen]
+            key_pos = list(range(p)) + [p + int(depth[j]) for j in seen]
+            if sliding_window > 0:
+                row_pos = p + int(depth[i])
+                inside = [row_pos - s < sliding_window for s in key_pos]
+                keys = [s for s, ok in zip(keys, inside, strict=True) if ok]
             blocks = [bt[r][s // block_size] for s in keys]
             slots = [s % block_size for s in keys]
             for h in range(q_all.shape[1]):
                 k = kc[blocks, slots, h // group]  # [num_keys, head_dim]
                 v = vc[blocks, slots, h // group]
-                w = torch.softmax(k @ q_all[q0 + i, h] * case.scale, dim=0)
+                scores = k @ q_all[q0 + i, h] * case.scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double().cpu()])
+                w = torch.softmax(scores, dim=0)[: len(keys)]
                 out[q0 + i, h] = w @ v
     return out
 
 
-def causal_attention(case: Case) -> torch.Tensor:
-    """Plain causal attention over each request's whole sequence, float64."""
+def causal_attention(case: Case, window: int = 0) -> torch.Tensor:
+    """Plain causal attention over each request's whole sequence, float64 (with
+    ``window``: a row at position s' sees positions s' - window < s <= s')."""
     kc, vc = case.key_cache.cpu().double(), case.value_cache.cpu().double()
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = case.query.shape[1] // num_kv_heads
@@ -211,6 +232,8 @@ def causal_attention(case: Case) -> torch.Tensor:
         q = case.query[q0 : q0 + t].cpu().double().transpose(0, 1)
         scores = q @ k.transpose(1, 2) * case.scale  # [heads, t, p + t]
         future = pos.unsqueeze(0) > (p + torch.arange(t)).unsqueeze(1)
+        if window:
+            future |= (p + torch.arange(t)).unsqueeze(1) - pos.unsqueeze(0) >= window
         w = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         out[q0 : q0 + t] = (w @ v).transpose(0, 1)
     return out
@@ -286,6 +309,73 @@ def test_triton_matches_reference(name):
     assert not bool(out[-1].any()), "padding token must be zero"
     if dtype == torch.float32:
         assert_close(out, naive_tree_attention(case))
+
+
+# Layer features (vLLM passes them per layer): windows of 6 (cuts the prefixes) and
+# 2 (shorter than the trees: ancestors fall out too), sinks, softcap, both
+# gpt-oss features together.
+SINKS = [1.5, -0.5, 2.5, 0.25, -1.0, 0.75, 3.0, 0.0]
+LAYER_FEATURES = {
+    "window-6": dict(sliding_window=6),
+    "window-2": dict(sliding_window=2),
+    "sinks": dict(sinks=SINKS),
+    "softcap": dict(softcap=0.6),
+    "window-sinks": dict(sliding_window=6, sinks=SINKS),
+}
+
+
+def _layer_args(case: Case, features: dict, group: int) -> dict:
+    kw = dict(features)
+    if "sinks" in kw:
+        kw["sinks"] = torch.tensor(kw["sinks"][: NUM_KV_HEADS * group], device=DEVICE)
+    if kw.get("sliding_window", 0) > 0:
+        kw["tree_depths"] = tree_depths(case)
+    return kw
+
+
+def _poison_outside_windows(case: Case, window: int) -> None:
+    """NaN in the committed keys older than every row's window: never read."""
+    block_size = case.key_cache.shape[1]
+    for r, p in enumerate(case.prefix_lens.tolist()):
+        for s in range(max(p - window + 1, 0)):
+            blk = int(case.block_table[r, s // block_size])
+            case.key_cache[blk, s % block_size] = float("nan")
+            case.value_cache[blk, s % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "small"])
+@pytest.mark.parametrize("features", list(LAYER_FEATURES))
+def test_layer_features_match_naive_oracle(features, tiles):
+    """Window by node depth, sinks and softcap: the reference and the kernel equal
+    the float64 oracle, and dropping the feature changes the rows (non-vacuous)."""
+    if tiles is not None and not INTERPRET:
+        pytest.skip("tiles below 16 need the interpreter")
+    group = 4
+    tree = random_trees(BUDGETS, seed=21)
+    case = make_case(PREFIX_LENS, tree, group=group, block_size=3, seed=22)
+    kw = _layer_args(case, LAYER_FEATURES[features], group)
+    window = kw.get("sliding_window", 0)
+    oracle_kw = {k: v for k, v in kw.items() if k != "tree_depths"}
+    expected = naive_tree_attention(case, **oracle_kw)
+    assert (naive_tree_attention(case) - expected).abs().max() > 0.05
+    if window:
+        _poison_outside_windows(case, window)
+    assert_close(tree_attention_reference(*case.args(), **kw), expected)
+    out = tree_attention_triton(*case.args(), validate=True, **kw, **(tiles or {}))
+    assert_close(out, expected)
+    assert not bool(out[-1].any()), "padding token must be zero"
+
+
+@pytest.mark.parametrize("window", [3, 8])
+def test_windowed_chain_is_windowed_causal_attention(window):
+    """On a chain (depth = row), the window is the stock kernels' rule: a row at
+    position s' sees positions s with s' - s < window."""
+    tree = random_trees([7, 5], seed=3, max_children=1, depth=8)
+    case = make_case([21, 0], tree, group=2, seed=4)
+    kw = _layer_args(case, {"sliding_window": window}, 2)
+    expected = causal_attention(case, window=window)
+    assert_close(tree_attention_reference(*case.args(), **kw), expected)
+    assert_close(tree_attention_triton(*case.args(), **kw), expected)
 
 
 def test_mask_words_beyond_32_columns():

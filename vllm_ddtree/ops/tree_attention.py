@@ -13,6 +13,17 @@ attends to
   request's ancestor mask is set: a node sees itself and its ancestors only,
   never its siblings' subtrees.
 
+The layer's own attention features carry over, as vLLM's kernels apply them to
+the rows of the accepted path:
+
+* ``sliding_window = w > 0``: a node at depth ``d`` (``tree_depths``) has
+  sequence position ``p + d``, and sees a key at position ``s`` (a committed
+  key, or an ancestor at ``p + depth``) only while ``p + d - s < w``;
+* ``sinks`` (gpt-oss): one logit per query head joins the softmax denominator,
+  with no value;
+* ``softcap > 0``: scores become ``softcap * tanh(scale * q.k / softcap)``
+  before masking.
+
 The mask is :attr:`vllm_ddtree.tree.DraftTree.visibility_packed` as is:
 ``[num_reqs, max_tree_rows, ceil(max_tree_rows / 32)]`` int32, bit ``j % 32``
 (little-endian, bit 31 is the sign bit) of word ``j // 32`` of row ``i`` is
@@ -55,7 +66,8 @@ __all__ = ["tree_attention_reference", "tree_attention_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_LOG2E = 1.4426950408889634
+# log2(e): the kernel computes exp(x) as exp2(x * log2(e)).
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # --------------------------------------------------------------------------- #
@@ -92,6 +104,10 @@ def _check_inputs(
     query_start_loc: torch.Tensor,
     tree_mask_bits: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    tree_depths: torch.Tensor | None = None,
 ) -> None:
     """Shapes, dtypes and devices; reads no tensor values (no host sync)."""
     _check_tensor("query", query, 3, _FLOAT_DTYPES, None)
@@ -150,6 +166,34 @@ def _check_inputs(
         or not math.isfinite(scale)
     ):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(f"sliding_window must be an int, got {sliding_window!r}")
+    if sliding_window > 0:
+        if tree_depths is None:
+            raise ValueError(
+                "sliding_window needs tree_depths (each tree row's depth gives its "
+                "sequence position)"
+            )
+        _check_tensor("tree_depths", tree_depths, 2, _INDEX_DTYPES, device)
+        if tuple(tree_depths.shape) != (num_reqs, max_rows):
+            raise ValueError(
+                f"tree_depths must be [num_reqs, max_tree_rows] = "
+                f"{(num_reqs, max_rows)}, got {tuple(tree_depths.shape)}"
+            )
+    if sinks is not None:
+        _check_tensor("sinks", sinks, 1, _FLOAT_DTYPES, device)
+        if sinks.shape[0] != num_q_heads:
+            raise ValueError(
+                f"sinks must have one logit per query head ({num_q_heads}), got "
+                f"{tuple(sinks.shape)}"
+            )
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise ValueError(f"softcap must be a finite float >= 0, got {softcap!r}")
 
 
 def _check_values(
@@ -215,6 +259,11 @@ def tree_attention_reference(
     query_start_loc: torch.Tensor,
     tree_mask_bits: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    tree_depths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention in torch, one request at a time, in float32.
 
@@ -239,10 +288,15 @@ def tree_attention_reference(
             ancestor-or-self mask packed like
             :func:`vllm_ddtree.tree.pack_visibility`.
         scale: softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: the layer's window ``w`` (``<= 0``: none).
+        sinks: [num_heads] float, the layer's attention sinks, or None.
+        softcap: the layer's logit softcap (0: none).
+        tree_depths: [num_reqs, max_tree_rows] int32/int64, each tree row's
+            depth (root 0); needed with a sliding window.
 
     Returns:
         [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are
-        zero.
+        zero, as are rows that see no key.
     """
     _check_inputs(
         query,
@@ -254,6 +308,10 @@ def tree_attention_reference(
         query_start_loc,
         tree_mask_bits,
         scale,
+        sliding_window,
+        sinks,
+        softcap,
+        tree_depths,
     )
     _check_values(
         query,
@@ -266,6 +324,7 @@ def tree_attention_reference(
     )
     block_size, num_kv_heads = key_cache.shape[1:3]
     group = query.shape[1] // num_kv_heads
+    device = query.device
     out = torch.zeros_like(query)
     for r, (p, t, q0) in enumerate(
         zip(
@@ -277,28 +336,39 @@ def tree_attention_reference(
     ):
         if t == 0:
             continue
-        pos = torch.arange(p + t, device=query.device)
+        # Committed keys older than the root's window are seen by no row (and
+        # are not read: vLLM may have freed their blocks).
+        first = max(p - sliding_window + 1, 0) if sliding_window > 0 else 0
+        pos = torch.arange(first, p + t, device=device)
+        n = pos.numel()
         blocks = block_table[r].long()[pos // block_size]
-        # [p + t, num_heads, head_dim]: each KV head repeated for its G q heads.
+        # [n, num_heads, head_dim]: each KV head repeated for its G q heads.
         k = key_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
         v = value_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
         q = query[q0 : q0 + t].float()  # [t, num_heads, head_dim]
         visible = torch.cat(
             [
-                torch.ones(t, p, dtype=torch.bool, device=query.device),
+                torch.ones(t, p - first, dtype=torch.bool, device=device),
                 _unpack_tree_mask(tree_mask_bits[r, :t], t),
             ],
             dim=1,
-        )  # [t, p + t]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=visible,
-            scale=float(scale),
-        ).transpose(0, 1)  # [t, num_heads, head_dim]
-        # SDPA returns NaN for a row that sees nothing; the contract says zero.
-        o = torch.where(visible.any(1)[:, None, None], o, 0.0)
+        )  # [t, n]
+        if sliding_window > 0:
+            depth = tree_depths[r, :t].long()
+            key_pos = torch.cat([pos[: p - first], p + depth])
+            visible &= (p + depth)[:, None] - key_pos[None, :] < sliding_window
+        # [num_heads, t, n]
+        scores = torch.einsum("thd,shd->hts", q, k) * float(scale)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, t, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :n]
+        # A row that sees nothing (and has no sink): NaN; the contract says zero.
+        probs = torch.nan_to_num(probs, nan=0.0)
+        o = torch.einsum("hts,shd->thd", probs, v)
         out[q0 : q0 + t] = o.to(query.dtype)
     return out
 
@@ -364,6 +434,18 @@ def _load_kv(
 
 
 @triton.jit
+def _scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, UPCAST, IEEE):
+    """log2-scaled scores of a tile: ``scale * q.k``, softcapped, times log2(e)
+    (exp2 replaces exp)."""
+    s = _mma(q, tl.trans(k), UPCAST, IEEE) * scale
+    if USE_SOFTCAP:
+        # softcap * tanh(s / softcap), with tanh(y) = 1 - 2 / (exp(2y) + 1): it
+        # saturates at +-1 instead of overflowing to inf / inf.
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s * _LOG2E
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Folds one tile of log2-scaled scores ``s`` (-inf = hidden) into the state."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -389,7 +471,10 @@ def _tree_attention_kernel(
     tree_lens_ptr,  # [num_reqs]
     query_start_loc_ptr,  # [num_reqs + 1]
     mask_ptr,  # [num_reqs, max_tree_rows, num_words] int32
-    scale_log2,  # softmax scale * log2(e): exp2 replaces exp
+    depths_ptr,  # [num_reqs, max_tree_rows] (read with a sliding window only)
+    sinks_ptr,  # [num_heads] (read with USE_SINKS only)
+    scale,  # softmax scale
+    softcap,  # logit softcap (read with USE_SOFTCAP only)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -408,6 +493,10 @@ def _tree_attention_kernel(
     stride_mr,
     stride_mi,
     stride_mw,
+    stride_dr,
+    SLIDING_WINDOW: tl.constexpr,  # the layer's window (0: none)
+    USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two of GROUP
     BLOCK_Q: tl.constexpr,  # tree rows per program
@@ -448,14 +537,29 @@ def _tree_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        # The sink is a key of logit sinks[h] and no value: the softmax starts
+        # with it (m = its log2-scaled logit, l = 1).
+        m_i = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf"))
+        m_i = m_i.to(tl.float32) * _LOG2E
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_btr
+    depth_row_ptr = depths_ptr + req.to(tl.int64) * stride_dr
+    if SLIDING_WINDOW > 0:
+        # Row m sits at position prefix_len + its depth.
+        q_pos = prefix_len + tl.load(depth_row_ptr + tree_row, mask=row_ok, other=0)
+        # The shallowest row (the root, depth 0) sees the oldest keys.
+        first = tl.maximum(prefix_len - SLIDING_WINDOW + 1, 0)
+    else:
+        first = 0
 
-    # Prefix: every tree row sees every committed key; only the tail tile masks.
+    # Prefix: every tree row sees every committed key (inside its window).
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, prefix_len, BLOCK_N):
+    for start in range(first, prefix_len, BLOCK_N):
         pos = start + offs_n
         key_ok = pos < prefix_len
         k, v = _load_kv(
@@ -477,8 +581,11 @@ def _tree_attention_kernel(
             stride_vd,
             BLOCK_SIZE,
         )
-        s = _mma(q, tl.trans(k), UPCAST, IEEE) * scale_log2
-        s = tl.where(key_ok[None, :], s, float("-inf"))
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, UPCAST, IEEE)
+        visible = key_ok[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (q_pos[:, None] - pos[None, :] < SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, UPCAST, IEEE)
 
     # Tree keys p + j: visible iff bit j of the row's packed ancestor mask is set.
@@ -512,7 +619,10 @@ def _tree_attention_kernel(
             other=0,
         )  # [BLOCK_M, BLOCK_T] int32
         visible = ((words >> (j[None, :] % 32)) & 1) != 0
-        s = _mma(q, tl.trans(k), UPCAST, IEEE) * scale_log2
+        if SLIDING_WINDOW > 0:
+            k_pos = prefix_len + tl.load(depth_row_ptr + j, mask=key_ok, other=0)
+            visible = visible & (q_pos[:, None] - k_pos[None, :] < SLIDING_WINDOW)
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, UPCAST, IEEE)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, UPCAST, IEEE)
 
@@ -550,6 +660,10 @@ def tree_attention_triton(
     tree_mask_bits: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    tree_depths: torch.Tensor | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
     block_t: int | None = None,
@@ -586,6 +700,10 @@ def tree_attention_triton(
         query_start_loc,
         tree_mask_bits,
         scale,
+        sliding_window,
+        sinks,
+        softcap,
+        tree_depths,
     )
     if validate:
         _check_values(
@@ -625,6 +743,7 @@ def tree_attention_triton(
     )
     if num_reqs == 0 or max_rows == 0 or num_tokens == 0:
         return out
+    window = max(int(sliding_window), 0)
     is_fp32 = query.dtype == torch.float32
     # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw
     # uint16 bits; upcast them there (the rounding of P to bfloat16 is kept).
@@ -641,7 +760,11 @@ def tree_attention_triton(
         tree_lens.contiguous(),
         query_start_loc.contiguous(),
         tree_mask_bits,
-        float(scale) * _LOG2E,
+        # Unused pointers get any tensor of the device (never read).
+        tree_depths if window > 0 else tree_lens,
+        sinks if sinks is not None else query,
+        float(scale),
+        float(softcap),
         *query.stride(),
         out.stride(0),
         out.stride(1),
@@ -649,6 +772,10 @@ def tree_attention_triton(
         *value_cache.stride(),
         *block_table.stride(),
         *tree_mask_bits.stride(),
+        tree_depths.stride(0) if window > 0 else 0,
+        SLIDING_WINDOW=window,
+        USE_SINKS=sinks is not None,
+        USE_SOFTCAP=softcap > 0,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,

@@ -6,8 +6,9 @@ builder, metadata and KV-cache write). Its impl runs the stock kernel for the wh
 batch, then, only when the layer's attention metadata carries a tree-attention
 batch (``metadata.tree``, the target's verify forward; ``attn_context``) and only
 for decoder self-attention layers, recomputes the rows of every listed tree block
-with ``ops.tree_attention.tree_attention_triton``: the committed prefix in full,
-the tree block's own keys by the request's ancestor mask. Every other row
+with ``ops.tree_attention.tree_attention_triton``: the committed prefix, the
+tree block's own keys by the request's ancestor mask, and the layer's sliding
+window (by node depth), sinks and softcap. Every other row
 (prefill, plain decode, the drafter's pass, requests without drafts) is the stock
 kernel's output, untouched.
 
@@ -150,6 +151,9 @@ class TreeRowsPlan:
         self.tree_start_loc = dev(torch.tensor(starts))  # [n + 1] in tree rows
         # [n, T, ceil(T / 32)] int32 ancestor-or-self bits.
         self.mask_bits = dev(pack_visibility(masks))
+        # [n, T] int32 node depths (ancestors seen, minus one): a node's sequence
+        # position is prefix_len + depth (for sliding windows).
+        self.depths = dev((masks.sum(-1) - 1).clamp(min=0).to(torch.int32))
         self.block_table = block_table.index_select(0, self.req_index)
 
     @property
@@ -196,14 +200,11 @@ class DDTreeTritonAttentionImpl(
         # Query dtypes need no check: vLLM runs models in fp16, bf16 or fp32 only.
         # Fused output quantization needs compilation passes, and the opt-in runs
         # eager (checks.gpu_engine_settings); _check_tree_call asserts it per
-        # forward.
+        # forward. Sliding windows, sinks and softcap are honoured by the tree
+        # kernel.
         head_size = self.head_size
         return {
-            f"sliding window ({self.sliding_window})": tuple(self.sliding_window)
-            != (-1, -1),
             "alibi": self.alibi_slopes is not None,
-            f"logits softcap ({self.logits_soft_cap})": bool(self.logits_soft_cap),
-            "attention sinks": self.sinks is not None,
             f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype
             not in _UNQUANTIZED_KV,
             "KV-cache sharing across layers": self.kv_sharing_target_layer_name
@@ -231,6 +232,11 @@ class DDTreeTritonAttentionImpl(
             plan.tree_start_loc,
             plan.mask_bits,
             self.scale,
+            # TRITON_ATTN keeps a decoder window w as (w - 1, 0), none as (-1, -1).
+            sliding_window=self.sliding_window[0] + 1,
+            sinks=self.sinks,
+            softcap=float(self.logits_soft_cap or 0.0),
+            tree_depths=plan.depths,
         )
         out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
         if batch.stash_kv:
