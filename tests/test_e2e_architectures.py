@@ -36,6 +36,7 @@ WINDOW = 16
 ARCHS = {
     "gpt_oss": (dict(sliding_window=WINDOW), 1),
     "qwen3_moe": ({}, 2),
+    "deepseek_v3": ({}, 2),
 }
 
 
@@ -91,7 +92,8 @@ def ddtree(drafter):
             "ddtree_budget": "fixed"}
 
 
-@pytest.mark.parametrize("arch,batch", [("gpt_oss", 6), ("gpt_oss", 1), ("qwen3_moe", 6)])
+@pytest.mark.parametrize("arch,batch", [("gpt_oss", 6), ("gpt_oss", 1), ("qwen3_moe", 6),
+                                        ("deepseek_v3", 6), ("deepseek_v3", 1)])
 def test_sibling_paths_are_lossless(models, reference, scripted_drafter, truth_at_rank_1,
                                     arch, batch):
     p, ref = reference

