@@ -97,6 +97,7 @@ ADAPTER_FILES = {
         "step",
         "attn_context",
         "cpu_attention",
+        "cpu_mla_attention",
         "gpu_attention",
         "requests",
         "structured_output",
