@@ -78,6 +78,7 @@ CORE_FILES = {
     "vllm_ddtree/ops/__init__.py": f"{INTREE}/ops/__init__.py",
     "vllm_ddtree/ops/triton_verify.py": f"{INTREE}/ops/triton_verify.py",
     "vllm_ddtree/ops/tree_attention.py": f"{INTREE}/ops/tree_attention.py",
+    "vllm_ddtree/ops/mla_tree_attention.py": f"{INTREE}/ops/mla_tree_attention.py",
     "vllm_ddtree/ops/kv_commit.py": f"{INTREE}/ops/kv_commit.py",
     "vllm_ddtree/ops/cuda_ext.py": f"{INTREE}/ops/cuda_ext.py",
     "vllm_ddtree/ops/extension.py": f"{INTREE}/ops/extension.py",

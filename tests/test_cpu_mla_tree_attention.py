@@ -227,3 +227,14 @@ def test_model_load_check_accepts_the_mla_impl_and_refuses_fp8():
     impl.kv_cache_dtype = "fp8"
     with pytest.raises(ValueError, match="kv cache dtype 'fp8'"):
         attn_context.check_model_tree_attention(model_with(impl))
+
+
+def test_amx_mla_is_refused_with_the_backend_to_select():
+    """AMX CPUs get vLLM's AMX_MLA, which has no tree path: the load check names
+    the layer and the backend that has one."""
+    from _attn_utils import model_with
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    amx = type("AMXMLAImpl", (CPUMLAImpl,), {})  # vLLM's class needs AMX to build
+    with pytest.raises(ValueError, match="layers.0.attn runs AMXMLAImpl.*'CPU_MLA'"):
+        attn_context.check_model_tree_attention(model_with(object.__new__(amx)))

@@ -159,6 +159,28 @@ def test_quantized_kv_cache_is_refused_at_start_up(pair):
                  kv_cache_dtype="fp8", speculative_config=ddtree(drafter))
 
 
+def test_hybrid_recurrent_target_is_refused_at_start_up(root, pair):
+    """A Qwen3-Next-shaped target (Gated DeltaNet + full attention layers) is
+    refused while the config is built: its recurrent state would need a
+    tree-structured scan (issue 29). Only the config is written: the refusal
+    comes before any weight is read."""
+    from transformers import Qwen3NextConfig
+
+    path = root / "qwen3_next_target"
+    Qwen3NextConfig(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=320, hidden_size=128,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, linear_num_key_heads=1, linear_num_value_heads=1,
+        linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=["linear_attention", "full_attention"] * 2, dtype="bfloat16",
+    ).save_pretrained(str(path))
+    tiny_models.write_tokenizer(path)
+    with pytest.raises(ValueError, match="hybrid"):
+        vllm.LLM(model=str(path), dtype="bfloat16", enforce_eager=True,
+                 max_model_len=256, speculative_config=ddtree(pair[1]))
+
+
 def test_layer_refusals_fail_the_engine_start_not_a_request(pair, monkeypatch):
     """A layer feature only the built model knows fails LLM(...) itself."""
     from vllm_ddtree.vllm_adapter.cpu_attention import DDTreeCPUAttentionImpl

@@ -343,6 +343,16 @@ def refuse_unsupported(backend: str, features: dict[str, bool]) -> None:
         )
 
 
+# Impls that have a tree-aware sibling backend the user can select.
+_BACKEND_HINTS = {
+    "AMXMLAImpl": (
+        "; vLLM prefers AMX_MLA on AMX CPUs, and ddtree's MLA tree attention runs "
+        "in CPU_MLA: select it with attention_config={'backend': 'CPU_MLA'} "
+        "(--attention-backend CPU_MLA)"
+    ),
+}
+
+
 def check_model_tree_attention(model) -> None:
     """Start-up check of a loaded target: every decoder self-attention layer has a
     tree-aware impl and none of the features it refuses.
@@ -367,11 +377,12 @@ def check_model_tree_attention(model) -> None:
         if getattr(impl, "attn_type", None) in not_causal:
             continue  # attends to the prompt / encoder only: no tree rows
         if not isinstance(impl, TreeAwareImpl):
+            kind = type(impl).__name__
             raise ValueError(
-                f"ddtree: target layer {name} runs {type(impl).__name__}, which has "
+                f"ddtree: target layer {name} runs {kind}, which has "
                 "no ancestor-only tree attention (the verify pass would attend "
                 "causally across branches); ddtree needs a plain decoder attention "
-                "layer on its tree backend"
+                "layer on its tree backend" + _BACKEND_HINTS.get(kind, "")
             )
         try:
             refuse_unsupported(impl.BACKEND_NAME, impl.tree_refusals())
