@@ -117,6 +117,7 @@ TEST_FILES = {
     "tests/test_tree_bitmask.py": f"{TESTS}/test_tree_bitmask.py",
     "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
     "tests/_law_utils.py": f"{TESTS}/law_utils.py",
+    "tests/test_e2e_architectures.py": f"{TESTS}/test_architectures.py",
 }
 DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
 

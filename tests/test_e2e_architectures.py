@@ -45,11 +45,16 @@ def models(tmp_path_factory, vllm_patched):
     root = tmp_path_factory.mktemp("arch_models")
     out = {}
     for arch, (overrides, drafter_layers) in ARCHS.items():
-        target = tiny_models.make_arch_target(root / f"{arch}_target", arch, seed=1,
-                                              **overrides)
+        target = tiny_models.make_arch_target(
+            root / f"{arch}_target", arch, seed=1, **overrides
+        )
         drafter = tiny_models.make_dflash_drafter(
-            root / f"{arch}_drafter", target, block_size=BLOCK_SIZE, seed=2,
-            num_layers=drafter_layers)
+            root / f"{arch}_drafter",
+            target,
+            block_size=BLOCK_SIZE,
+            seed=2,
+            num_layers=drafter_layers,
+        )
         out[arch] = (target, drafter)
     return out
 
@@ -64,27 +69,41 @@ def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
     """Greedy outputs of ``prompt_ids`` (and, with ``turns=2``, of a second turn
     on the same engine: each prompt + its first answer + 5 more tokens)."""
     kw.setdefault("max_model_len", 512)
-    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
-                   disable_log_stats=False, speculative_config=speculative_config, seed=0,
-                   **kw)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = vllm.LLM(
+        model=target,
+        dtype="float32",
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+        seed=0,
+        **kw,
+    )
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
     tokens = []
     for _ in range(turns):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+        )
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
-        prompt_ids = [p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1],
-                                                              strict=True)]
+        prompt_ids = [
+            p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1], strict=True)
+        ]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    stats = {"preemptions": metrics.get("vllm:num_preemptions", 0),
-             "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits", 0),
-             "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
+    stats = {
+        "preemptions": metrics.get("vllm:num_preemptions", 0),
+        "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits", 0),
+        "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
+    }
     if speculative_config is not None:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
-        stats.update(drafts=metrics.get("vllm:spec_decode_num_drafts", 0),
-                     accepted=metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-                     branch_paths=int(runner.ddtree.num_branch_paths))
+        stats.update(
+            drafts=metrics.get("vllm:spec_decode_num_drafts", 0),
+            accepted=metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+            branch_paths=int(runner.ddtree.num_branch_paths),
+        )
         del runner, core
     del llm
     gc.collect()
@@ -98,20 +117,34 @@ def reference(models):
 
 
 def ddtree(drafter):
-    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET,
-            "ddtree_budget": "fixed"}
+    return {
+        "method": "ddtree",
+        "model": drafter,
+        "num_speculative_tokens": BUDGET,
+        "ddtree_budget": "fixed",
+    }
 
 
-@pytest.mark.parametrize("arch,batch", [("gpt_oss", 6), ("gpt_oss", 1), ("qwen3_moe", 6),
-                                        ("deepseek_v3", 6), ("deepseek_v3", 1)])
-def test_sibling_paths_are_lossless(models, reference, scripted_drafter, truth_at_rank_1,
-                                    arch, batch):
+@pytest.mark.parametrize(
+    "arch,batch",
+    [
+        ("gpt_oss", 6),
+        ("gpt_oss", 1),
+        ("qwen3_moe", 6),
+        ("deepseek_v3", 6),
+        ("deepseek_v3", 1),
+    ],
+)
+def test_sibling_paths_are_lossless(
+    models, reference, scripted_drafter, truth_at_rank_1, arch, batch
+):
     p, ref = reference
     # batch 1: the longest prompt alone (its rows all past the window).
     chosen = list(range(len(p))) if batch > 1 else [3]
     target, drafter = models[arch]
-    scripted_drafter(truth_at_rank_1(
-        {tuple(p[i]): p[i] + ref[arch][i] for i in chosen}))
+    scripted_drafter(
+        truth_at_rank_1({tuple(p[i]): p[i] + ref[arch][i] for i in chosen})
+    )
     out, stats = generate(target, [p[i] for i in chosen], ddtree(drafter))
     print(arch, batch, stats)
     assert out == [ref[arch][i] for i in chosen]
@@ -119,8 +152,9 @@ def test_sibling_paths_are_lossless(models, reference, scripted_drafter, truth_a
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.8 * BLOCK_SIZE, stats
 
 
-def test_mla_preemption_and_a_second_turn(models, reference, scripted_drafter,
-                                         truth_at_rank_1):
+def test_mla_preemption_and_a_second_turn(
+    models, reference, scripted_drafter, truth_at_rank_1
+):
     """MLA target, a KV cache too small for the batch (requests are preempted and
     recomputed between verify steps), then a second turn on the same engine
     (prompt + first answer + 5 tokens): greedy identical to no speculation with
@@ -161,11 +195,15 @@ def _law_target(kind, root):
     partner = (tiny_models.EOS_TOKEN_ID, 200)
     if kind == "window":  # every layer attends to the last LAW_WINDOW positions
         target, _, _ = tiny_models.make_two_way_target(
-            root / "target", partner=partner, oracle_noise=2.0,
-            sliding_window=LAW_WINDOW)
+            root / "target",
+            partner=partner,
+            oracle_noise=2.0,
+            sliding_window=LAW_WINDOW,
+        )
         return target
     return tiny_models.make_two_way_arch_target(  # MLA + MoE
-        root / "target", "deepseek_v3", partner=partner, oracle_noise=2.0)
+        root / "target", "deepseek_v3", partner=partner, oracle_noise=2.0
+    )
 
 
 @pytest.mark.parametrize("kind", ["window", "mla"])
@@ -181,31 +219,49 @@ def test_law_matches_non_speculative(kind, tmp_path_factory, vllm_patched):
 
     root = tmp_path_factory.mktemp(f"law_{kind}")
     target = _law_target(kind, root)
-    drafter = tiny_models.make_dflash_drafter(root / "drafter", target, kind="oracle",
-                                              block_size=BLOCK_SIZE, seed=2)
+    drafter = tiny_models.make_dflash_drafter(
+        root / "drafter", target, kind="oracle", block_size=BLOCK_SIZE, seed=2
+    )
     params = vllm.SamplingParams(**LAW_PARAMS)
 
     def sample(spec, seed):
-        llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True,
-                       max_model_len=256, max_num_batched_tokens=2048,
-                       disable_log_stats=False, speculative_config=spec, seed=seed)
-        outs = llm.generate([{"prompt_token_ids": LAW_PROMPT}] * N_LAW, params,
-                            use_tqdm=False)
+        llm = vllm.LLM(
+            model=target,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            max_num_batched_tokens=2048,
+            disable_log_stats=False,
+            speculative_config=spec,
+            seed=seed,
+        )
+        outs = llm.generate(
+            [{"prompt_token_ids": LAW_PROMPT}] * N_LAW, params, use_tqdm=False
+        )
         stats = {}
         if spec is not None:
             metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-            runner = llm.llm_engine.engine_core.engine_core.model_executor \
-                .driver_worker.worker.model_runner
-            stats = {"accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-                     "branch_paths": int(runner.ddtree.num_branch_paths)}
-            del runner
+            core = llm.llm_engine.engine_core.engine_core
+            runner = core.model_executor.driver_worker.worker.model_runner
+            stats = {
+                "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+                "branch_paths": int(runner.ddtree.num_branch_paths),
+            }
+            del runner, core
         del llm
         gc.collect()
         return [list(o.outputs[0].token_ids) for o in outs], stats
 
     ref, _ = sample(None, seed=1)  # another seed: independent random streams
-    outs, stats = sample({"method": "ddtree", "model": drafter,
-                          "num_speculative_tokens": 8, "ddtree_budget": "fixed"}, seed=0)
+    outs, stats = sample(
+        {
+            "method": "ddtree",
+            "model": drafter,
+            "num_speculative_tokens": 8,
+            "ddtree_budget": "fixed",
+        },
+        seed=0,
+    )
     assert stats["accepted"] > 0.5 * N_LAW, stats
     assert stats["branch_paths"] > 0.05 * N_LAW, stats
     tv, cells = joint_tv(outs, ref, slice(0, 3))

@@ -15,8 +15,8 @@ For the DDTree verify pass, request ``r`` has ``prefix_lens[r]`` committed token
 and ``tree_lens[r]`` tree rows (root first) whose latent rows are already in the
 cache at positions ``prefix_lens[r] ..``; tree row ``i`` attends to every
 committed row and to tree row ``j`` iff bit ``j`` of row ``i`` of the packed
-ancestor mask is set (:attr:`vllm_ddtree.tree.DraftTree.visibility_packed`, the
-format of :mod:`vllm_ddtree.ops.tree_attention`).
+ancestor mask is set (``DraftTree.visibility_packed``, the format of
+:mod:`vllm_ddtree.ops.tree_attention`).
 
 * :func:`mla_tree_attention_reference`: torch, one request at a time, float32.
 * :func:`mla_tree_attention_triton`: one program per (request, ``BLOCK_Q`` tree
@@ -119,7 +119,7 @@ def mla_tree_attention_reference(
         q_pe: [num_tokens, num_heads, R] rotary query parts (RoPE applied).
         latent_cache: [num_blocks, block_size, L + R] vLLM's MLA cache.
         block_table, prefix_lens, tree_lens, query_start_loc, tree_mask_bits:
-            as :func:`vllm_ddtree.ops.tree_attention.tree_attention_reference`.
+            as ``tree_attention_reference`` (``ops/tree_attention.py``).
         scale: softmax scale (vLLM's MLA ``scale``, for the q.k of the full
             ``qk_nope + qk_rope`` head).
 
