@@ -220,6 +220,21 @@ def bugfix_edits(tree: Path) -> None:
     )
     file.write_text(text)
 
+    path = "vllm/v1/attention/backends/cpu_attn.py"
+    file = tree / path
+    file.write_text(
+        _edit(
+            file.read_text(),
+            path,
+            "    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | "
+            "MultipleOf]:\n        return [MultipleOf(32)]\n",
+            "    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | "
+            "MultipleOf]:\n"
+            "        # 16: the vec16 kernels; CPU MLA takes 16-token blocks only.\n"
+            "        return [16, MultipleOf(32)]\n",
+        )
+    )
+
 
 # The per-request check, called where a request enters an engine (the plugin
 # decorates the same methods, vllm_ddtree/vllm_adapter/hooks.py):
@@ -749,7 +764,10 @@ def config_edits(tree: Path) -> None:
 
 
 EDITED_FILES = sorted(
-    {"vllm/model_executor/models/qwen3_dflash.py"}
+    {
+        "vllm/model_executor/models/qwen3_dflash.py",
+        "vllm/v1/attention/backends/cpu_attn.py",
+    }
     | {e[0] for e in REQUEST_EDITS}
     | {e[0] for e in STRUCTURED_EDITS}
     | {e[0] for e in CONFIG_EDITS}
@@ -887,17 +905,26 @@ def _bench_table() -> str:
 
 
 MESSAGES = {
-    "bugfix": """[Bugfix][CPU] DFlash: per-layer k_norm for the context keys
+    "bugfix": """[Bugfix][CPU] DFlash drafters: per-layer context k_norm; MLA targets
+
+Two bugs of DFlash drafters on CPU.
 
 `DFlashQwen3Model._normalize_context_k` normalizes the context keys of all
 draft layers with one `ops.rms_norm` call and a stacked `[num_layers,
 head_dim]` weight. The CUDA op selects the weight row per layer; the CPU op
 applies row 0 (layer 0's `k_norm`) to every layer, so on CPU every draft layer
-after the first attends to wrongly normalized context keys.
+after the first attends to wrongly normalized context keys. Found by comparing
+vLLM's draft logits with a plain torch DFlash model on a 2-layer drafter: max
+logit error 0.43 before, float32 round-off after. On CPU the keys are now
+normalized per layer in torch; other platforms are unchanged.
 
-Found by comparing vLLM's draft logits with a plain torch DFlash model on a
-2-layer drafter: max logit error 0.43 before, float32 round-off after. On CPU
-the keys are now normalized per layer in torch; other platforms are unchanged.
+A drafter beside an MLA target (DeepSeek-V3 / Kimi-K2) failed at start-up:
+"No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])".
+CPU_ATTN's kernels run 16-token blocks (the vec16 ISA, which CPU_ATTN already
+uses for head sizes that are not a multiple of 32), so CPU_ATTN now declares
+16 as well. The cache's block size is kept wherever every backend accepts it,
+so models without MLA are unchanged; with it, `"dflash"` on a tiny
+DeepSeek-V3 target is greedy-identical to decoding without speculation.
 """,
     "core": """[Spec Decode] DDTree (1/2): draft trees and lossless tree verification
 

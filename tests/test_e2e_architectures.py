@@ -96,7 +96,7 @@ def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits", 0),
         "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
     }
-    if speculative_config is not None:
+    if speculative_config is not None and speculative_config["method"] == "ddtree":
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
         stats.update(
@@ -269,3 +269,15 @@ def test_law_matches_non_speculative(kind, tmp_path_factory, vllm_patched):
     print(f"{kind}: n={N_LAW} cells={cells} TV={tv:.4f} bound={bound:.4f} {stats}")
     assert cells <= 8
     assert tv <= bound, (tv, bound)
+
+
+def test_vllm_dflash_runs_beside_an_mla_target(models, reference):
+    """vLLM's own "dflash" on the MLA target: the plugin's P11 lets CPU attention
+    (the drafter's) take CPU_MLA's 16-token blocks, so it starts ("No common block
+    size for 16" without it) and is greedy-identical."""
+    p, ref = reference
+    target, drafter = models["deepseek_v3"]
+    out, stats = generate(target, p, {"method": "dflash", "model": drafter,
+                                      "num_speculative_tokens": 4})
+    assert out == ref["deepseek_v3"]
+    assert stats["preemptions"] == 0

@@ -29,6 +29,7 @@ if __name__ == "__main__":
     from vllm.config.vllm import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -37,6 +38,7 @@ if __name__ == "__main__":
         "process_inputs": (InputProcessor, "process_inputs"),
         "v2_features": (VllmConfig, "_get_v2_model_runner_unsupported_features"),
         "dflash_k_norm": (DFlashQwen3Model, "_normalize_context_k"),
+        "cpu_attn_blocks": (CPUAttentionBackend, "get_supported_kernel_block_sizes"),
     }
     before = {k: getattr(c, n) for k, (c, n) in hooked.items()}
     from vllm_ddtree.vllm_adapter import patches
@@ -67,7 +69,8 @@ def test_other_vllm_version_patches_nothing_and_refuses_ddtree(tmp_path):
         tmp_path, "other_version", child_env(VLLM_PLUGINS=""), timeout=300,
     )
     assert sorted(out["unchanged"]) == sorted(
-        ["runner_init", "process_inputs", "v2_features", "dflash_k_norm"])
+        ["runner_init", "process_inputs", "v2_features", "dflash_k_norm",
+         "cpu_attn_blocks"])
     assert len(out["warnings"]) == 1 and "0.33.1" in out["warnings"][0]
     assert out["plain_ok"]
     assert out["ddtree_error"] is not None

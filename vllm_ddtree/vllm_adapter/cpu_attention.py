@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -528,13 +527,6 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        # CPU_ATTN's kernels also run 16-token blocks (its "vec16" ISA); saying so
-        # lets the DFlash drafter's layers share a block size with a CPU_MLA
-        # target, whose kernel takes 16-token blocks only.
-        return [16, MultipleOf(32)]
 
     @staticmethod
     def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:

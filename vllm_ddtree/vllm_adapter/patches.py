@@ -35,7 +35,15 @@ decorate in-tree in the upstream patch series (``patches/``):
   max logit error 0.43 on a 2-layer drafter). The CUDA op selects the row per
   layer; on CPU :func:`normalize_context_k_per_layer` normalizes per layer in
   torch (the patch series' first commit makes the same fix in-tree).
-Only P7 changes vLLM's behaviour when ddtree is off (it fixes in-tree
+* P11 (CPU only) ``CPUAttentionBackend.get_supported_kernel_block_sizes``
+  also declares 16-token blocks, which its kernels run (the ``vec16`` ISA):
+  vLLM's CPU MLA kernel takes 16-token blocks only, so a DFlash drafter (CPU
+  attention) beside an MLA target (DeepSeek-V3 / Kimi-K2) failed at start-up,
+  "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
+  for ddtree and vLLM's own ``"dflash"`` alike. vLLM keeps the cache's block
+  size wherever every backend accepts it, so other models are unchanged (the
+  patch series' first commit makes the same change in-tree).
+Only P7 and P11 change vLLM's behaviour when ddtree is off (they fix in-tree
 ``"dflash"`` on CPU); P1-P6 and P8-P10 are no-ops unless an engine asks for
 ddtree. The
 not-yet-validated CUDA path needs no patch point: the shared start-up checks
@@ -60,7 +68,7 @@ _installed = False
 
 
 def install() -> None:
-    """Installs P1-P10 (idempotent)."""
+    """Installs P1-P11 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -108,6 +116,7 @@ def install() -> None:
         StructuredOutputManager.grammar_bitmask
     )
     _fix_cpu_dflash_context_k_norm()
+    _declare_cpu_attention_16_token_blocks()
     _installed = True
 
 
@@ -177,3 +186,22 @@ def _fix_cpu_dflash_context_k_norm() -> None:
         )
 
     DFlashQwen3Model._normalize_context_k = _normalize_context_k
+
+
+def cpu_attention_kernel_block_sizes(kv_cache_spec=None) -> list:
+    """CPU_ATTN's kernel block sizes with 16-token blocks (its ``vec16`` kernels)."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    return [16, MultipleOf(32)]
+
+
+def _declare_cpu_attention_16_token_blocks() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+        cpu_attention_kernel_block_sizes
+    )
