@@ -12,7 +12,13 @@ a random target's output).
 * gpt-oss shape: alternating sliding-window (16) and full layers, attention
   sinks, MoE (top-2 of 4 experts with biases, swigluoai); prompts and outputs
   run past the window;
-* Qwen3-MoE shape: full attention, MoE (top-2 of 4).
+* Qwen3-MoE shape: full attention, MoE (top-2 of 4);
+* DeepSeek-V3 shape (Kimi-K2): MLA (512 + 64 latent cache, CPU_MLA), MoE with a
+  shared expert and grouped routing; preemption and a second turn; vLLM's own
+  "dflash" beside it;
+* Gemma-4 text shape: sliding (head 64) and global (head 128) layers.
+
+Law tests at T = 1 on a window-2 target and on an MLA target close the module.
 """
 
 import gc
@@ -37,6 +43,7 @@ ARCHS = {
     "gpt_oss": (dict(sliding_window=WINDOW), 1),
     "qwen3_moe": ({}, 2),
     "deepseek_v3": ({}, 2),
+    "gemma4": ({}, 1),
 }
 
 
@@ -133,6 +140,7 @@ def ddtree(drafter):
         ("qwen3_moe", 6),
         ("deepseek_v3", 6),
         ("deepseek_v3", 1),
+        ("gemma4", 6),
     ],
 )
 def test_sibling_paths_are_lossless(

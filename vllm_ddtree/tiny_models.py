@@ -434,6 +434,22 @@ _ARCH_DEFAULTS: dict[str, dict] = {
             "mscale_all_dim": 1.0,
         },
     ),
+    # Gemma-4 text: sliding (head 64) and global (head 128, partial RoPE)
+    # layers, per-layer input embeddings.
+    "gemma4": dict(
+        config_class="Gemma4TextConfig",
+        architectures=["Gemma4ForCausalLM"],
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        global_head_dim=128,
+        intermediate_size=256,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=DEFAULT_VOCAB_SIZE,
+    ),
     # Full attention, MoE (top-2 of 4), q/k norms.
     "qwen3_moe": dict(
         config_class="Qwen3MoeConfig",
