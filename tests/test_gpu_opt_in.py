@@ -69,6 +69,13 @@ def test_opted_in_cuda_passes_the_platform_check(on):
     checks.check_platform()
 
 
+def test_mla_targets_are_refused_on_cuda(on):
+    """No tree-aware MLA backend on CUDA yet: refused while the config is built."""
+    on("cuda", True)
+    with pytest.raises(ValueError, match="does not serve MLA targets"):
+        checks.check_target_and_platform(SimpleNamespace(use_mla=True))
+
+
 def test_cuda_engines_use_triton_attention(on):
     on("cuda", True)
     for requested in ([], [None], ["TRITON_ATTN"], [AttentionBackendEnum.TRITON_ATTN]):

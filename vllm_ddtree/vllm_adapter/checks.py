@@ -39,6 +39,16 @@ def check_target_and_platform(
 ) -> None:
     """Refuses targets and platforms the ddtree runner cannot serve losslessly."""
     check_platform()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda() and getattr(target_model_config, "use_mla", False):
+        # ops/mla_tree_attention.py has the latent-space tree kernel, but no
+        # tree-aware MLA backend uses it yet (CPU_MLA does, on the CPU).
+        raise ValueError(
+            "ddtree on CUDA does not serve MLA targets (DeepSeek-V2/V3, Kimi-K2) "
+            "yet: no MLA attention backend runs tree attention there; they are "
+            "served on the CPU (CPU_MLA)"
+        )
     check_target(target_model_config, kv_cache_dtype)
 
 
