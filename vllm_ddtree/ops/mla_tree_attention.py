@@ -36,10 +36,10 @@ import triton.language as tl
 
 from vllm_ddtree.ops.tree_attention import (
     _FLOAT_DTYPES,
-    _INDEX_DTYPES,
     _LOG2E,
     _check_block,
     _check_tensor,
+    _check_tree_layout,
     _mma,
     _online_softmax_step,
     _unpack_tree_mask,
@@ -76,27 +76,9 @@ def _check_inputs(
             f"latent_cache rows must hold kv_lora_rank + rope = {lora + rope} "
             f"entries, got {tuple(latent_cache.shape)}"
         )
-    _check_tensor("prefix_lens", prefix_lens, 1, _INDEX_DTYPES, device)
-    num_reqs = prefix_lens.shape[0]
-    for name, x, shape in (
-        ("tree_lens", tree_lens, (num_reqs,)),
-        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
-    ):
-        _check_tensor(name, x, 1, _INDEX_DTYPES, device)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    _check_tensor("block_table", block_table, 2, _INDEX_DTYPES, device)
-    if block_table.shape[0] != num_reqs:
-        raise ValueError(f"block_table must have num_reqs={num_reqs} rows")
-    _check_tensor("tree_mask_bits", tree_mask_bits, 3, (torch.int32,), device)
-    max_rows = tree_mask_bits.shape[1]
-    if tree_mask_bits.shape[0] != num_reqs or tree_mask_bits.shape[2] != (
-        (max_rows + 31) // 32
-    ):
-        raise ValueError(
-            "tree_mask_bits must be [num_reqs, max_tree_rows, ceil(max_tree_rows / "
-            f"32)], got {tuple(tree_mask_bits.shape)}"
-        )
+    _check_tree_layout(
+        device, block_table, prefix_lens, tree_lens, query_start_loc, tree_mask_bits
+    )
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a float, got {scale!r}")
 

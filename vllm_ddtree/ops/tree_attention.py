@@ -94,6 +94,45 @@ def _check_tensor(
     return x
 
 
+def _check_tree_layout(
+    device: torch.device,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask_bits: torch.Tensor,
+) -> tuple[int, int]:
+    """The per-request tensors every tree-attention kernel takes (lengths,
+    offsets, block table, packed masks); returns ``(num_reqs, max_tree_rows)``.
+    Reads no tensor values."""
+    _check_tensor("prefix_lens", prefix_lens, 1, _INDEX_DTYPES, device)
+    num_reqs = prefix_lens.shape[0]
+    for name, x, shape in (
+        ("tree_lens", tree_lens, (num_reqs,)),
+        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+    ):
+        _check_tensor(name, x, 1, _INDEX_DTYPES, device)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    _check_tensor("block_table", block_table, 2, _INDEX_DTYPES, device)
+    if block_table.shape[0] != num_reqs:
+        raise ValueError(
+            f"block_table must have num_reqs={num_reqs} rows, got "
+            f"{tuple(block_table.shape)}"
+        )
+    _check_tensor("tree_mask_bits", tree_mask_bits, 3, (torch.int32,), device)
+    max_rows = tree_mask_bits.shape[1]
+    if tree_mask_bits.shape[0] != num_reqs or tree_mask_bits.shape[2] != (
+        (max_rows + 31) // 32
+    ):
+        raise ValueError(
+            "tree_mask_bits must be [num_reqs, max_tree_rows, "
+            f"ceil(max_tree_rows / 32)] with num_reqs={num_reqs}, got "
+            f"{tuple(tree_mask_bits.shape)}"
+        )
+    return num_reqs, max_rows
+
+
 def _check_inputs(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -135,31 +174,9 @@ def _check_inputs(
             f"value_cache must have key_cache's shape {tuple(key_cache.shape)}, got "
             f"{tuple(value_cache.shape)}"
         )
-    _check_tensor("prefix_lens", prefix_lens, 1, _INDEX_DTYPES, device)
-    num_reqs = prefix_lens.shape[0]
-    for name, x, shape in (
-        ("tree_lens", tree_lens, (num_reqs,)),
-        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
-    ):
-        _check_tensor(name, x, 1, _INDEX_DTYPES, device)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    _check_tensor("block_table", block_table, 2, _INDEX_DTYPES, device)
-    if block_table.shape[0] != num_reqs:
-        raise ValueError(
-            f"block_table must have num_reqs={num_reqs} rows, got "
-            f"{tuple(block_table.shape)}"
-        )
-    _check_tensor("tree_mask_bits", tree_mask_bits, 3, (torch.int32,), device)
-    max_rows = tree_mask_bits.shape[1]
-    if tree_mask_bits.shape[0] != num_reqs or tree_mask_bits.shape[2] != (
-        (max_rows + 31) // 32
-    ):
-        raise ValueError(
-            "tree_mask_bits must be [num_reqs, max_tree_rows, "
-            f"ceil(max_tree_rows / 32)] with num_reqs={num_reqs}, got "
-            f"{tuple(tree_mask_bits.shape)}"
-        )
+    num_reqs, max_rows = _check_tree_layout(
+        device, block_table, prefix_lens, tree_lens, query_start_loc, tree_mask_bits
+    )
     if (
         isinstance(scale, bool)
         or not isinstance(scale, (int, float))
