@@ -586,13 +586,7 @@ def make_two_way_target(
     file = Path(target) / "model.safetensors"
     sd = load_file(str(file))
     emb = sd["model.embed_tokens.weight"].float()
-    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
-    if partner is not None:
-        x, y = partner
-        j = int((perm == y).nonzero())
-        perm[j], perm[x] = perm[x].clone(), perm[j].clone()
-    head = a * emb + b * emb[perm]
-    head[MASK_TOKEN_ID] = 0.0
+    head = _two_way_head(emb, a, b, partner, torch.Generator().manual_seed(seed))
     sd["lm_head.weight"] = head.to(sd["lm_head.weight"].dtype)
     save_file(
         {k: v.contiguous() for k, v in sd.items()}, str(file), metadata={"format": "pt"}
@@ -633,13 +627,7 @@ def make_two_way_arch_target(
     rank = min(hidden, tcfg["num_key_value_heads"] * tcfg["head_dim"])
     g = torch.Generator().manual_seed(seed)
     emb = _oracle_embeddings(g, vocab, hidden, rank)
-    perm = torch.randperm(vocab, generator=g)
-    if partner is not None:
-        x, y = partner
-        j = int((perm == y).nonzero())
-        perm[j], perm[x] = perm[x].clone(), perm[j].clone()
-    head = a * emb + b * emb[perm]
-    head[MASK_TOKEN_ID] = 0.0
+    head = _two_way_head(emb, a, b, partner, g)
     file = Path(target) / "model.safetensors"
     sd = load_file(str(file))
     dtype = sd["lm_head.weight"].dtype
@@ -938,6 +926,25 @@ def _oracle_embeddings(
     e[:, :rank] = d / d.norm(dim=1, keepdim=True) * math.sqrt(hidden)
     e[MASK_TOKEN_ID] = 0.0
     return e
+
+
+def _two_way_head(
+    emb: torch.Tensor,
+    a: float,
+    b: float,
+    partner: tuple[int, int] | None,
+    g: torch.Generator,
+) -> torch.Tensor:
+    """``a E + b E[perm]`` with the mask row zero, ``perm`` drawn from ``g``
+    (``partner = (x, y)`` makes ``perm[x] = y``)."""
+    perm = torch.randperm(emb.shape[0], generator=g)
+    if partner is not None:
+        x, y = partner
+        j = int((perm == y).nonzero())
+        perm[j], perm[x] = perm[x].clone(), perm[j].clone()
+    head = a * emb + b * emb[perm]
+    head[MASK_TOKEN_ID] = 0.0
+    return head
 
 
 def _oracle_value_path(
