@@ -3,10 +3,11 @@
 
 Off by default: a GPU platform is refused by the shared start-up check. With
 ``VLLM_DDTREE_UNVALIDATED_GPU=1`` on CUDA the check passes, the engine is set to
-the TRITON_ATTN backend (whose DDTree override runs the tree rows) in eager mode
--- by the plugin's config hook (P1) and by the series' ``VllmConfig`` check alike
---, another explicitly requested backend is refused, and the runner's verifier
-registers the DDTree backend.
+the TRITON_ATTN backend (whose DDTree override runs the tree rows) in eager mode,
+an MLA target's layers to TRITON_MLA (likewise) -- by the plugin's config hook
+(P1) and by the series' ``VllmConfig`` check alike --, another explicitly
+requested backend is refused, and the runner's verifier registers the DDTree
+backends.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm_ddtree.vllm_adapter import checks, config, plugin_hooks  # noqa: E402
 from vllm_ddtree.vllm_adapter.checks import (  # noqa: E402
     UNVALIDATED_GPU_ENV,
+    gpu_backend_per_kind,
     gpu_engine_settings,
     gpu_opted_in,
 )
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig  # noqa: E402
 from vllm_ddtree.vllm_adapter.gpu_attention import BACKEND_PATH  # noqa: E402
+from vllm_ddtree.vllm_adapter.gpu_mla_attention import (  # noqa: E402
+    BACKEND_PATH as MLA_BACKEND_PATH,
+)
 
 
 def platform(kind: str) -> SimpleNamespace:
@@ -69,11 +74,25 @@ def test_opted_in_cuda_passes_the_platform_check(on):
     checks.check_platform()
 
 
-def test_mla_targets_are_refused_on_cuda(on):
-    """No tree-aware MLA backend on CUDA yet: refused while the config is built."""
+def test_mla_targets_get_triton_mla_on_cuda(on):
+    """An MLA target's layers go to TRITON_MLA (tree-aware), the drafter's to
+    TRITON_ATTN; a per-kind backend without tree attention is refused."""
     on("cuda", True)
-    with pytest.raises(ValueError, match="does not serve MLA targets"):
-        checks.check_target_and_platform(SimpleNamespace(use_mla=True))
+    mla = AttentionBackendEnum.TRITON_MLA
+    assert gpu_backend_per_kind(True, None) == {"mla_attention": mla}
+    assert gpu_backend_per_kind(True, {"mla_attention": "triton_mla"}) == {
+        "mla_attention": mla
+    }
+    assert gpu_backend_per_kind(False, {}) == {}
+    for kind, backend in (
+        ("mla_attention", "FLASHMLA"),
+        ("mla_attention", AttentionBackendEnum.CUTLASS_MLA),
+        ("full_attention", "FLASH_ATTN"),
+    ):
+        with pytest.raises(ValueError, match=f"backend_per_kind\\['{kind}'\\]"):
+            gpu_backend_per_kind(True, {kind: backend})
+    on("cpu", False)
+    assert gpu_backend_per_kind(True, {"mla_attention": "CPU_MLA"}) is None
 
 
 def test_cuda_engines_use_triton_attention(on):
@@ -98,10 +117,11 @@ def test_plugin_config_hook_sets_the_cuda_engine_up(on, monkeypatch):
         plugin_hooks, "resolve_ddtree_config", lambda result, ddtree, *a: ddtree
     )
     hooked = plugin_hooks.speculative_config_hook(lambda self, m, p: SimpleNamespace())
-    for kind, method, changed in (
-        ("cuda", "ddtree", True),
-        ("cpu", "ddtree", False),
-        ("cuda", "dflash", False),
+    for kind, method, changed, use_mla in (
+        ("cuda", "ddtree", True, False),
+        ("cuda", "ddtree", True, True),
+        ("cpu", "ddtree", False, True),
+        ("cuda", "dflash", False, True),
     ):
         on(kind, kind == "cuda")
         args = SimpleNamespace(
@@ -111,33 +131,43 @@ def test_plugin_config_hook_sets_the_cuda_engine_up(on, monkeypatch):
             },
             async_scheduling=False,
             attention_backend=None,
-            attention_config=SimpleNamespace(backend=None),
+            attention_config=SimpleNamespace(backend=None, backend_per_kind={}),
             kv_cache_dtype="auto",
         )
-        model = SimpleNamespace(enforce_eager=False)
+        model = SimpleNamespace(enforce_eager=False, use_mla=use_mla)
         hooked(args, model, None)
         assert model.enforce_eager is changed
         assert (args.attention_backend == "TRITON_ATTN") is changed
+        mla_backend = args.attention_config.backend_per_kind.get("mla_attention")
+        assert (mla_backend is AttentionBackendEnum.TRITON_MLA) is (changed and use_mla)
 
 
 def test_series_config_check_sets_the_cuda_engine_up(on, monkeypatch):
     """The series' VllmConfig check does the same on the built config."""
     monkeypatch.setattr(config, "resolve_ddtree_config", lambda spec, ddtree, *a: ddtree)
-    for kind, changed in (("cuda", True), ("cpu", False)):
+    for kind, changed, use_mla in (
+        ("cuda", True, False),
+        ("cuda", True, True),
+        ("cpu", False, True),
+    ):
         on(kind, kind == "cuda")
         spec = SimpleNamespace(
             method="ddtree", ddtree=DDTreeConfig(budget=4, budget_mode="fixed")
         )
         vllm_config = SimpleNamespace(
             speculative_config=spec,
-            model_config=SimpleNamespace(enforce_eager=False),
+            model_config=SimpleNamespace(enforce_eager=False, use_mla=use_mla),
             cache_config=SimpleNamespace(cache_dtype="auto"),
-            attention_config=SimpleNamespace(backend=None),
+            attention_config=SimpleNamespace(backend=None, backend_per_kind={}),
         )
         config.verify_speculative_config(vllm_config)
         assert vllm_config.model_config.enforce_eager is changed
         backend = vllm_config.attention_config.backend
         assert (backend is AttentionBackendEnum.TRITON_ATTN) is changed
+        per_kind = vllm_config.attention_config.backend_per_kind
+        assert (per_kind.get("mla_attention") is AttentionBackendEnum.TRITON_MLA) is (
+            changed and use_mla
+        )
         assert spec.ddtree_budget == "fixed"  # resolved options written back
 
 
@@ -151,11 +181,20 @@ def test_the_verifier_registers_the_tree_backend_on_cuda(on):
         max_num_tokens=16,
         device=torch.device("cpu"),
     )
-    was = AttentionBackendEnum.TRITON_ATTN.get_path()
+    was = {
+        AttentionBackendEnum.TRITON_ATTN: AttentionBackendEnum.TRITON_ATTN.get_path(),
+        AttentionBackendEnum.TRITON_MLA: AttentionBackendEnum.TRITON_MLA.get_path(),
+    }
+    ours = {
+        AttentionBackendEnum.TRITON_ATTN: BACKEND_PATH,
+        AttentionBackendEnum.TRITON_MLA: MLA_BACKEND_PATH,
+    }
     try:
         on("cuda", True)
         DDTreeVerifier(runner)
-        assert AttentionBackendEnum.TRITON_ATTN.get_path() == BACKEND_PATH
+        for backend, path in ours.items():
+            assert backend.get_path() == path
     finally:
-        if was != BACKEND_PATH:
-            AttentionBackendEnum.TRITON_ATTN.clear_override()
+        for backend, path in was.items():
+            if path != ours[backend]:
+                backend.clear_override()

@@ -343,16 +343,6 @@ def refuse_unsupported(backend: str, features: dict[str, bool]) -> None:
         )
 
 
-# Impls that have a tree-aware sibling backend the user can select.
-_BACKEND_HINTS = {
-    "AMXMLAImpl": (
-        "; vLLM prefers AMX_MLA on AMX CPUs, and ddtree's MLA tree attention runs "
-        "in CPU_MLA: select it with attention_config={'backend': 'CPU_MLA'} "
-        "(--attention-backend CPU_MLA)"
-    ),
-}
-
-
 def check_model_tree_attention(model) -> None:
     """Start-up check of a loaded target: every decoder self-attention layer has a
     tree-aware impl and none of the features it refuses.
@@ -382,7 +372,7 @@ def check_model_tree_attention(model) -> None:
                 f"ddtree: target layer {name} runs {kind}, which has "
                 "no ancestor-only tree attention (the verify pass would attend "
                 "causally across branches); ddtree needs a plain decoder attention "
-                "layer on its tree backend" + _BACKEND_HINTS.get(kind, "")
+                "layer on its tree backend"
             )
         try:
             refuse_unsupported(impl.BACKEND_NAME, impl.tree_refusals())

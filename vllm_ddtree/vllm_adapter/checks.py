@@ -10,10 +10,12 @@ before the engine serves.
 
 Platforms: the CPU runs tree attention in the CPU_ATTN backend (validated end to
 end). CUDA has a tree-aware TRITON_ATTN backend (Triton tree attention over the
-paged cache, in-cache KV commit) whose kernels are tested against the torch
-references, but no engine has run it on a GPU yet: it starts only when the user
-opts in with ``VLLM_DDTREE_UNVALIDATED_GPU=1``, and then in eager mode with
-TRITON_ATTN (:func:`gpu_engine_settings`). Every other platform is refused.
+paged cache, in-cache KV commit) and, for MLA targets, a tree-aware TRITON_MLA
+(latent-space tree attention), whose kernels are tested against the torch
+references, but no engine has run them on a GPU yet: they start only when the
+user opts in with ``VLLM_DDTREE_UNVALIDATED_GPU=1``, and then in eager mode
+(:func:`gpu_engine_settings`, :func:`gpu_backend_per_kind`). Every other
+platform is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "GPU_MLA_TREE_ATTENTION_BACKEND",
     "GPU_TREE_ATTENTION_BACKEND",
+    "gpu_backend_per_kind",
     "UNVALIDATED_GPU_ENV",
     "check_platform",
     "check_target",
@@ -32,6 +36,10 @@ __all__ = [
 
 UNVALIDATED_GPU_ENV = "VLLM_DDTREE_UNVALIDATED_GPU"
 GPU_TREE_ATTENTION_BACKEND = "TRITON_ATTN"
+# The tree-aware backend of MLA layers (DeepSeek-V2/V3, Kimi-K2 targets) on CUDA;
+# the drafter's layers stay on GPU_TREE_ATTENTION_BACKEND.
+GPU_MLA_TREE_ATTENTION_BACKEND = "TRITON_MLA"
+_MLA_KIND = "mla_attention"
 
 
 def check_target_and_platform(
@@ -39,16 +47,6 @@ def check_target_and_platform(
 ) -> None:
     """Refuses targets and platforms the ddtree runner cannot serve losslessly."""
     check_platform()
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda() and getattr(target_model_config, "use_mla", False):
-        # ops/mla_tree_attention.py has the latent-space tree kernel, but no
-        # tree-aware MLA backend uses it yet (CPU_MLA does, on the CPU).
-        raise ValueError(
-            "ddtree on CUDA does not serve MLA targets (DeepSeek-V2/V3, Kimi-K2) "
-            "yet: no MLA attention backend runs tree attention there; they are "
-            "served on the CPU (CPU_MLA)"
-        )
     check_target(target_model_config, kv_cache_dtype)
 
 
@@ -111,6 +109,48 @@ def gpu_engine_settings(requested_backends) -> str | None:
                 "was requested"
             )
     return GPU_TREE_ATTENTION_BACKEND
+
+
+def gpu_backend_per_kind(use_mla: bool, requested: dict | None) -> dict | None:
+    """The per-KV-cache-kind backends (``AttentionConfig.backend_per_kind``) a
+    ddtree engine must use on this platform.
+
+    Returns ``None`` off CUDA (nothing to set). On CUDA: ``requested`` (as
+    ``AttentionBackendEnum`` members) with an MLA target's layers on
+    ``TRITON_MLA`` (the tree-aware MLA backend, beside the drafter's
+    ``TRITON_ATTN``).
+
+    Args:
+        use_mla: the target uses multi-head latent attention.
+        requested: the user's ``backend_per_kind`` (kind -> enum member or name).
+
+    Raises:
+        ValueError: on CUDA, a kind was given a backend without tree attention.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not current_platform.is_cuda():
+        return None
+    per_kind = {}
+    for kind, backend in (requested or {}).items():
+        name = getattr(backend, "name", str(backend)).upper()
+        wanted = (
+            GPU_MLA_TREE_ATTENTION_BACKEND
+            if "mla" in kind
+            else GPU_TREE_ATTENTION_BACKEND
+        )
+        if name != wanted:
+            raise ValueError(
+                f"ddtree on CUDA runs tree attention in {wanted} for "
+                f"{kind!r} layers; backend_per_kind[{kind!r}] = {name} was requested"
+            )
+        per_kind[kind] = AttentionBackendEnum[name]
+    if use_mla:
+        per_kind.setdefault(
+            _MLA_KIND, AttentionBackendEnum[GPU_MLA_TREE_ATTENTION_BACKEND]
+        )
+    return per_kind
 
 
 def check_target(target_model_config, kv_cache_dtype: str = "auto") -> None:

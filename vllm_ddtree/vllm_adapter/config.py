@@ -280,12 +280,16 @@ def verify_speculative_config(vllm_config: Any) -> None:
     With ``method="ddtree"``: checks the drafter, target and platform
     (:func:`resolve_ddtree_config`) and writes the resolved options back to the
     fields; on CUDA it also sets the engine up for the tree path (TRITON_ATTN,
-    eager mode: :func:`~vllm_ddtree.vllm_adapter.checks.gpu_engine_settings`), so
-    it runs before ``VllmConfig`` resolves compilation and CUDA graphs. With any
-    other method, a ``ddtree_*`` field that is set is an error, not an option
-    silently ignored.
+    TRITON_MLA for an MLA target's layers, eager mode:
+    :func:`~vllm_ddtree.vllm_adapter.checks.gpu_engine_settings`), so it runs
+    before ``VllmConfig`` resolves compilation and CUDA graphs. With any other
+    method, a ``ddtree_*`` field that is set is an error, not an option silently
+    ignored.
     """
-    from vllm_ddtree.vllm_adapter.checks import gpu_engine_settings
+    from vllm_ddtree.vllm_adapter.checks import (
+        gpu_backend_per_kind,
+        gpu_engine_settings,
+    )
 
     spec = vllm_config.speculative_config
     if spec is None:
@@ -304,5 +308,9 @@ def verify_speculative_config(vllm_config: Any) -> None:
     if backend is not None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        vllm_config.attention_config.backend = AttentionBackendEnum[backend]
+        attention = vllm_config.attention_config
+        attention.backend = AttentionBackendEnum[backend]
+        attention.backend_per_kind = gpu_backend_per_kind(
+            vllm_config.model_config.use_mla, attention.backend_per_kind
+        )
         vllm_config.model_config.enforce_eager = True

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU_MLA with ancestor-only attention for DDTree's tree-verify forward.
+"""CPU_MLA and AMX_MLA with ancestor-only attention for DDTree's tree-verify forward.
 
 Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) caches one latent row per
 token: ``[kv_c_normed (L) ; k_pe (R)]`` (L = kv_lora_rank, R = qk_rope_head_dim),
-one cache tensor per layer, no separate K and V. ``DDTreeCPUMLABackend``
-replaces vLLM's ``CPU_MLA`` (same name, kernels, metadata and cache write): the
-stock layer computes every row as usual (verify rows are prefills with a cached
-context there, exactly causal over linear positions), then, while the layer's
+one cache tensor per layer, no separate K and V. ``DDTreeCPUMLABackend`` and
+``DDTreeAMXMLABackend`` replace vLLM's ``CPU_MLA`` and ``AMX_MLA`` (same names,
+kernels, metadata and cache writes; AMX_MLA is vLLM's choice on AMX CPUs, with the
+same flat latent cache in 32-token blocks): the stock layer computes every row
+as usual (verify rows are prefills with a cached context there, exactly causal
+over linear positions), then, while the layer's
 metadata carries a tree batch (``attn_context``), the tree rows whose ancestors
 are not exactly the block rows before them are recomputed in the latent space,
 as MLA's absorbed decode computes a row:
@@ -17,63 +19,48 @@ as MLA's absorbed decode computes a row:
     o     = softmax(s) @ kv_c @ W_UV           # [F, N, V]  (W_UV: [L, N, V])
 
 ``W_UK`` / ``W_UV`` are split from the layer's ``kv_b_proj`` once, after the
-weights are loaded (float32 copies). The KV commit moves latent rows inside the
-cache (:class:`LatentCacheStash`): the forward has already written every tree
-row's latent entry to its slot.
+weights are loaded (float32 copies; AMX_MLA releases ``kv_b_proj``'s weight
+right after its impl has packed its own). The KV commit moves latent rows inside the
+cache (:class:`~vllm_ddtree.vllm_adapter.mla_common.LatentCacheStash`): the
+forward has already written every tree row's latent entry to its slot.
 
 https://arxiv.org/abs/2405.04434 (MLA), https://arxiv.org/abs/2604.12989 (DDTree).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
 from vllm.v1.attention.backend import MultipleOf
+from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.cpu_attention import plan_for
+from vllm_ddtree.vllm_adapter.mla_common import LatentCacheStash, WholeBatchTablesMixin
 
 __all__ = [
+    "DDTreeAMXMLABackend",
+    "DDTreeAMXMLAImpl",
+    "DDTreeAMXMLAMetadataBuilder",
     "DDTreeCPUMLABackend",
     "DDTreeCPUMLAImpl",
     "DDTreeCPUMLAMetadataBuilder",
-    "LatentCacheStash",
     "register_mla_tree_attention_backend",
 ]
 
 BACKEND_PATH = f"{__name__}.DDTreeCPUMLABackend"
+AMX_BACKEND_PATH = f"{__name__}.DDTreeAMXMLABackend"
 
 
-@dataclass
-class LatentCacheStash:
-    """One MLA layer's latent cache, for the in-cache commit (nothing copied)."""
-
-    # [num_blocks, block_size, L + R] the layer's latent cache (a reference).
-    kv_cache: torch.Tensor
-    # [M] int64 cache slots of the batch's tree rows (tree-row order).
-    slot_mapping: torch.Tensor
-    # [M] int64 batch rows of these tree rows.
-    batch_rows: torch.Tensor
-
-    def write(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Moves the latent rows of tree rows ``src`` to the slots of rows
-        ``dst``: every source is gathered before any slot is written."""
-        flat = self.kv_cache.view(-1, self.kv_cache.shape[-1])
-        rows = flat.index_select(0, self.slot_mapping.index_select(0, src))
-        flat.index_copy_(0, self.slot_mapping.index_select(0, dst), rows)
-
-
-class DDTreeCPUMLAImpl(attn_context.TreeAwareImpl, CPUMLAImpl):
-    """CPU_MLA impl: with a tree in its metadata, tree rows attend ancestor-only
-    (in the latent space, see the module docstring)."""
-
-    BACKEND_NAME = "CPU_MLA"
+class LatentTreeRowsMixin(attn_context.TreeAwareImpl):
+    """A CPU MLA impl (put it before the stock impl) whose ``forward_mha``
+    recomputes the tree rows in the latent space (see the module docstring).
+    Both CPU MLA builders take single-row decodes only, so every tree block (two
+    rows or more) is in the prefill part."""
 
     def tree_refusals(self) -> dict[str, bool]:
-        # CPU MLA itself refuses windows, softcap, alibi and KV sharing at build.
+        # vLLM's CPU MLA impls refuse windows, softcap, alibi and KV sharing.
         return {
             f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype != "auto",
         }
@@ -159,28 +146,32 @@ class DDTreeCPUMLAImpl(attn_context.TreeAwareImpl, CPUMLAImpl):
             o = torch.einsum("nfl,lnv->fnv", o_lat, self._w_uv)  # [F, N, V]
             out.index_copy_(0, rows, o.to(out.dtype))
         if batch.stash_kv and plan.rows.numel():
-            name = f"mla@{id(kv_cache)}"
-            batch.stash[name] = LatentCacheStash(
+            batch.stash[f"mla@{id(kv_cache)}"] = LatentCacheStash(
                 kv_cache=kv_cache,
-                slot_mapping=metadata.slot_mapping.index_select(0, plan.rows).to(
-                    torch.int64
-                ),
+                slot_mapping=metadata.slot_mapping,
                 batch_rows=plan.rows,
             )
 
 
+class DDTreeCPUMLAImpl(LatentTreeRowsMixin, CPUMLAImpl):
+    """CPU_MLA impl: with a tree in its metadata, tree rows attend ancestor-only."""
+
+    BACKEND_NAME = "CPU_MLA"
+
+
+class DDTreeAMXMLAImpl(LatentTreeRowsMixin, AMXMLAImpl):
+    """AMX_MLA impl: with a tree in its metadata, tree rows attend ancestor-only."""
+
+    BACKEND_NAME = "AMX_MLA"
+
+
 class DDTreeCPUMLAMetadataBuilder(
-    attn_context.TreeAttentionMetadataBuilderMixin, CPUMLABackend.get_builder_cls()
+    attn_context.TreeAttentionMetadataBuilderMixin,
+    WholeBatchTablesMixin,
+    CPUMLABackend.get_builder_cls(),
 ):
     """CPU_MLA's builder; a verify step's metadata carries its trees, and the
-    whole batch's sequence lengths and block table (MLA's own metadata keeps
-    them split into decodes and prefills)."""
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        metadata.seq_lens = common_attn_metadata.seq_lens
-        metadata.block_table = common_attn_metadata.block_table_tensor
-        return metadata
+    whole batch's sequence lengths and block table."""
 
 
 class DDTreeCPUMLABackend(CPUMLABackend):
@@ -204,9 +195,37 @@ class DDTreeCPUMLABackend(CPUMLABackend):
         return DDTreeCPUMLAImpl
 
 
+class DDTreeAMXMLAMetadataBuilder(
+    attn_context.TreeAttentionMetadataBuilderMixin,
+    WholeBatchTablesMixin,
+    AMXMLABackend.get_builder_cls(),
+):
+    """AMX_MLA's builder; a verify step's metadata carries its trees, and the
+    whole batch's sequence lengths and block table."""
+
+
+class DDTreeAMXMLABackend(AMXMLABackend):
+    """``AMX_MLA`` (same name, kernels and cache write), DDTree-aware builder and
+    impl."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "AMX_MLA"
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeAMXMLAMetadataBuilder]:
+        return DDTreeAMXMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeAMXMLAImpl]:
+        return DDTreeAMXMLAImpl
+
+
 def register_mla_tree_attention_backend() -> None:
-    """Makes ``AttentionBackendEnum.CPU_MLA`` resolve to the DDTree backend.
+    """Makes ``AttentionBackendEnum.CPU_MLA`` and ``AMX_MLA`` resolve to the
+    DDTree backends.
 
     Idempotent; see :func:`attn_context.override_attention_backend`.
     """
     attn_context.override_attention_backend("CPU_MLA", BACKEND_PATH)
+    attn_context.override_attention_backend("AMX_MLA", AMX_BACKEND_PATH)

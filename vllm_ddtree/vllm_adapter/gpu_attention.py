@@ -32,6 +32,7 @@ backend before the model is loaded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,7 @@ class TreeRowsPlan:
         batch: attn_context.TreeAttentionBatch,
         query_start_loc: torch.Tensor,
         block_table: torch.Tensor,
+        requests: Sequence[attn_context.TreeRequest] | None = None,
     ) -> None:
         """Builds the plan (host work and one copy per tensor, once per forward).
 
@@ -121,9 +123,11 @@ class TreeRowsPlan:
             batch: the runner's tree batch (at least one request).
             query_start_loc: [num_reqs + 1] the forward's query offsets (device).
             block_table: [num_reqs, max_blocks] the forward's block table (device).
+            requests: the tree requests to plan (at least one; default: all of
+                ``batch``'s).
         """
         device = query_start_loc.device
-        reqs = batch.requests
+        reqs = batch.requests if requests is None else tuple(requests)
         sizes = [r.num_rows for r in reqs]
         max_rows = max(sizes)
         masks = torch.zeros(len(reqs), max_rows, max_rows, dtype=torch.bool)

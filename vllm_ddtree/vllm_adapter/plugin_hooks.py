@@ -24,7 +24,7 @@ import functools
 import os
 from typing import Any
 
-from vllm_ddtree.vllm_adapter.checks import gpu_engine_settings
+from vllm_ddtree.vllm_adapter.checks import gpu_backend_per_kind, gpu_engine_settings
 from vllm_ddtree.vllm_adapter.structured_output import (
     store_draft_trees,
     tree_grammar_bitmask,
@@ -94,6 +94,11 @@ def speculative_config_hook(create_speculative_config):
             )
             if backend is not None:
                 self.attention_backend = backend
+                # Before create_engine_config copies attention_config.
+                self.attention_config.backend_per_kind = gpu_backend_per_kind(
+                    target_model_config.use_mla,
+                    self.attention_config.backend_per_kind,
+                )
                 target_model_config.enforce_eager = True
             # A plain attribute: SpeculativeConfig forbids unknown *fields*, not
             # attributes, and pickles its __dict__ to engine and worker processes.

@@ -96,8 +96,12 @@ class DDTreeVerifier:
             from vllm_ddtree.vllm_adapter.gpu_attention import (
                 register_gpu_tree_attention_backend,
             )
+            from vllm_ddtree.vllm_adapter.gpu_mla_attention import (
+                register_gpu_mla_tree_attention_backend,
+            )
 
             register_gpu_tree_attention_backend()
+            register_gpu_mla_tree_attention_backend()
         self.runner = runner
         self.config: DDTreeConfig = ddtree
         self.budget = None
