@@ -30,7 +30,8 @@ echo "build rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
 echo "== kernel parity tests on CUDA"
 "$PY" -m pytest -q -rs tests/test_cuda_sources.py tests/test_triton_verify.py \
   tests/test_tree_build.py tests/test_verify.py tests/test_commit.py \
-  tests/test_tree_attention.py tests/test_mla_tree_attention.py tests/test_kv_commit.py \
+  tests/test_tree_attention.py tests/test_mla_tree_attention.py tests/test_tree_gdn.py \
+  tests/test_kv_commit.py \
   tests/test_gpu_attention.py tests/test_gpu_mla_attention.py \
   -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
 

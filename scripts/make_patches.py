@@ -79,6 +79,7 @@ CORE_FILES = {
     "vllm_ddtree/ops/triton_verify.py": f"{INTREE}/ops/triton_verify.py",
     "vllm_ddtree/ops/tree_attention.py": f"{INTREE}/ops/tree_attention.py",
     "vllm_ddtree/ops/mla_tree_attention.py": f"{INTREE}/ops/mla_tree_attention.py",
+    "vllm_ddtree/ops/tree_gdn.py": f"{INTREE}/ops/tree_gdn.py",
     "vllm_ddtree/ops/kv_commit.py": f"{INTREE}/ops/kv_commit.py",
     "vllm_ddtree/ops/cuda_ext.py": f"{INTREE}/ops/cuda_ext.py",
     "vllm_ddtree/ops/extension.py": f"{INTREE}/ops/extension.py",
@@ -102,6 +103,7 @@ ADAPTER_FILES = {
         "mla_common",
         "gpu_attention",
         "gpu_mla_attention",
+        "gdn_state",
         "requests",
         "structured_output",
         "budget_control",
@@ -120,6 +122,8 @@ TEST_FILES = {
     "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
     "tests/_law_utils.py": f"{TESTS}/law_utils.py",
     "tests/test_e2e_architectures.py": f"{TESTS}/test_architectures.py",
+    "tests/test_gdn_state.py": f"{TESTS}/test_gdn_state.py",
+    "tests/test_e2e_hybrid.py": f"{TESTS}/test_hybrid.py",
 }
 DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
 

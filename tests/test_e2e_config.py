@@ -159,11 +159,12 @@ def test_quantized_kv_cache_is_refused_at_start_up(pair):
                  kv_cache_dtype="fp8", speculative_config=ddtree(drafter))
 
 
-def test_hybrid_recurrent_target_is_refused_at_start_up(root, pair):
-    """A Qwen3-Next-shaped target (Gated DeltaNet + full attention layers) is
-    refused while the config is built: its recurrent state would need a
-    tree-structured scan (issue 29). Only the config is written: the refusal
-    comes before any weight is read."""
+def test_hybrid_target_with_prefix_caching_is_refused_at_start_up(root, pair):
+    """A Qwen3-Next-shaped target (Gated DeltaNet + full attention layers) with
+    prefix caching (vLLM's default) is refused while the config is built: vLLM
+    caches recurrent states per block with copies keyed to linear draft
+    positions. Only the config is written: the refusal comes before any weight
+    is read."""
     from transformers import Qwen3NextConfig
 
     path = root / "qwen3_next_target"
@@ -176,9 +177,10 @@ def test_hybrid_recurrent_target_is_refused_at_start_up(root, pair):
         layer_types=["linear_attention", "full_attention"] * 2, dtype="bfloat16",
     ).save_pretrained(str(path))
     tiny_models.write_tokenizer(path)
-    with pytest.raises(ValueError, match="hybrid"):
+    with pytest.raises(ValueError, match="hybrid.*enable_prefix_caching=False"):
         vllm.LLM(model=str(path), dtype="bfloat16", enforce_eager=True,
-                 max_model_len=256, speculative_config=ddtree(pair[1]))
+                 max_model_len=256, enable_prefix_caching=True,
+                 speculative_config=ddtree(pair[1]))
 
 
 def test_layer_refusals_fail_the_engine_start_not_a_request(pair, monkeypatch):

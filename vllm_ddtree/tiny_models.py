@@ -450,6 +450,28 @@ _ARCH_DEFAULTS: dict[str, dict] = {
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=DEFAULT_VOCAB_SIZE,
     ),
+    # Hybrid (Qwen3-Next): Gated DeltaNet layers (conv kernel 4, head size 128,
+    # the CPU GDN kernels' size; bf16 only on the CPU) between full-attention
+    # layers (gated, partial RoPE), MoE with a shared expert.
+    "qwen3_next": dict(
+        config_class="Qwen3NextConfig",
+        architectures=["Qwen3NextForCausalLM"],
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+    ),
     # Full attention, MoE (top-2 of 4), q/k norms.
     "qwen3_moe": dict(
         config_class="Qwen3MoeConfig",

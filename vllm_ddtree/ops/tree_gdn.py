@@ -27,8 +27,9 @@ children as ``vllm_ddtree.tree`` orders them):
 * ``node_slots``: [M] the state slot each row's post-state is written to (a
   child reads its parent's from there). A root may write its own initial slot.
 
-* :func:`tree_causal_conv1d`: the convolution along root paths (torch; the
-  windows are gathers, cheap on any device).
+* :func:`tree_conv_windows`: each row's conv window along its root path (a
+  gather; vLLM's decode conv kernels then run on the windows), and
+  :func:`tree_causal_conv1d`, the convolution over them in torch.
 * :func:`tree_gated_delta_rule_reference`: the recurrence in torch, float32,
   all nodes of one depth at once (the CPU path, and the oracle).
 * :func:`tree_gated_delta_rule_triton`: one program per (request, v-head,
@@ -52,6 +53,7 @@ import triton.language as tl
 
 __all__ = [
     "tree_causal_conv1d",
+    "tree_conv_windows",
     "tree_depths",
     "tree_gated_delta_rule_reference",
     "tree_gated_delta_rule_triton",
@@ -70,6 +72,47 @@ def tree_depths(parent_rows: torch.Tensor) -> torch.Tensor:
     return depth.to(parent_rows.device)
 
 
+def tree_conv_windows(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_slots: torch.Tensor,
+    parent_rows: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """[M, D, W - 1] every tree row's conv window: the ``W - 1`` inputs before it
+    on its root path, oldest first (its ancestors, and before the root the
+    committed inputs: columns ``0 .. W - 2`` of its request's conv slot, the
+    newest last, vLLM's layout). A decode of that path holds exactly this conv
+    state when it reaches the row.
+
+    Args:
+        x: [M, D] the rows' inputs (before the convolution).
+        conv_state: [num_slots, D, S] conv states, S >= W - 1.
+        conv_slots: [M] the conv slot of each row's request.
+        parent_rows: [M] packed parent row, -1 for roots.
+        width: the conv kernel size W.
+    """
+    parents = parent_rows.to(torch.int64)
+    depth = tree_depths(parents)
+    slots = conv_slots.to(torch.int64)
+    windows = torch.empty(
+        x.shape[0], x.shape[1], width - 1, dtype=conv_state.dtype, device=x.device
+    )
+    # Walk up one ancestor per tap; past the root, read the committed inputs.
+    ancestor = parents.clone()
+    for dist in range(1, width):
+        in_tree = depth >= dist
+        rows = ancestor.clamp(min=0)
+        column = (width - 1 - (dist - depth)).clamp(0, width - 2)
+        committed = conv_state[slots, :, column]  # [M, D]
+        tap = torch.where(
+            in_tree[:, None], x.index_select(0, rows).to(windows.dtype), committed
+        )
+        windows[:, :, width - 1 - dist] = tap
+        ancestor = torch.where(ancestor >= 0, parents[rows], ancestor)
+    return windows
+
+
 def tree_causal_conv1d(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -79,15 +122,11 @@ def tree_causal_conv1d(
     bias: torch.Tensor | None,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """Causal depthwise convolution of every tree row over its root path.
+    """Causal depthwise convolution of every tree row over its root path
+    (windows: :func:`tree_conv_windows`), in float32.
 
     Args:
-        x: [M, D] the rows' inputs (before the convolution).
-        conv_state: [num_slots, D, S] conv states, S >= W - 1; the committed
-            inputs of a request are columns ``0 .. W - 2`` of its slot, oldest
-            first (vLLM's layout, read as its non-speculative paths read it).
-        conv_slots: [M] the conv slot of each row's request.
-        parent_rows: [M] packed parent row, -1 for roots.
+        x, conv_state, conv_slots, parent_rows: as :func:`tree_conv_windows`.
         weight: [D, W] the conv weight (tap ``W - 1`` multiplies the row itself).
         bias: [D] or None.
         activation: ``"silu"`` or None.
@@ -95,25 +134,12 @@ def tree_causal_conv1d(
     Returns:
         [M, D] in x's dtype.
     """
-    num_rows, dim = x.shape
     width = weight.shape[1]
-    parents = parent_rows.to(torch.int64)
-    depth = tree_depths(parents)
-    slots = conv_slots.to(torch.int64)
-    out = x.float() * weight[:, width - 1].float()
+    windows = tree_conv_windows(x, conv_state, conv_slots, parent_rows, width)
+    taps = torch.cat([windows.float(), x.float()[:, :, None]], dim=2)  # [M, D, W]
+    out = (taps * weight.float()).sum(-1)
     if bias is not None:
         out = out + bias.float()
-    # Walk up one ancestor per tap; past the root, read the committed inputs
-    # (the newest at column W - 2).
-    ancestor = parents.clone()
-    for dist in range(1, width):
-        in_tree = depth >= dist
-        rows = ancestor.clamp(min=0)
-        column = (width - 1 - (dist - depth)).clamp(0, width - 2)
-        committed = conv_state[slots, :, column].float()  # [M, D]
-        tap = torch.where(in_tree[:, None], x.index_select(0, rows).float(), committed)
-        out = out + tap * weight[:, width - 1 - dist].float()
-        ancestor = torch.where(ancestor >= 0, parents[rows], ancestor)
     if activation == "silu":
         out = F.silu(out)
     elif activation is not None:

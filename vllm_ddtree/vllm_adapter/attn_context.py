@@ -144,6 +144,9 @@ class TreeAttentionBatch:
     # Another backend may stash its own type: a class with a ``commit_all(batch,
     # moves, row_space)`` classmethod then performs the whole commit.
     stash: dict[str, object] = field(default_factory=dict)
+    # layer name -> recurrent-state stash of a hybrid target's GDN layers
+    # (``gdn_state.RecurrentStateStash``), committed from the accepted paths.
+    recurrent_stash: dict[str, object] = field(default_factory=dict)
     # Per-metadata plans cached by the attention impl (one forward, many layers).
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -320,9 +323,25 @@ class TreeAttentionBatch:
             raise IndexError("commit_kv: a batch row is not a tree row")
         return out
 
+    def commit_recurrent(
+        self, paths: torch.Tensor, num_committed: torch.Tensor
+    ) -> None:
+        """Commits the recurrent states of the stashed GDN layers.
+
+        Args:
+            paths: [R, L] batch rows of every request's accepted nodes at
+                depths 1 .. L (``CommitPlan.src_rows`` viewed per request).
+            num_committed: [R] path lengths.
+        """
+        if self.recurrent_stash:
+            paths, num_committed = paths.cpu(), num_committed.cpu()
+        for layer_stash in self.recurrent_stash.values():
+            layer_stash.commit(paths, num_committed)
+
     def release(self) -> None:
         """Drops the stash and cached plans (the cache references included)."""
         self.stash.clear()
+        self.recurrent_stash.clear()
         self._plans.clear()
 
 

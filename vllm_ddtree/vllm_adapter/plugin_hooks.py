@@ -87,7 +87,11 @@ def speculative_config_hook(create_speculative_config):
         )
         if ddtree is not None:
             ddtree = resolve_ddtree_config(
-                result, ddtree, target_model_config, self.kv_cache_dtype
+                result,
+                ddtree,
+                target_model_config,
+                self.kv_cache_dtype,
+                bool(self.enable_prefix_caching),
             )
             backend = gpu_engine_settings(
                 [self.attention_backend, getattr(self.attention_config, "backend", None)]

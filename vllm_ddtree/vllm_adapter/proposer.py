@@ -63,6 +63,9 @@ class DDTreeProposer(DFlashProposer):
         # Every target attention layer is checked now, at engine start: a layer
         # the tree attention cannot serve must never reach a verify forward.
         attn_context.check_model_tree_attention(target_model)
+        from vllm_ddtree.vllm_adapter import gdn_state
+
+        gdn_state.install(target_model)
         super().load_model(target_model, *args, **kwargs)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):

@@ -275,9 +275,22 @@ class DDTreeVerifier:
         if batch is None or not batch.requests:
             return
         assert isinstance(attn_metadata, dict), "ddtree runs without micro-batching"
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
         for groups in self.runner.attn_groups:
             for group in groups:
                 builder = group.get_metadata_builder()
+                if isinstance(builder, GDNAttentionMetadataBuilder):
+                    # Hybrid targets: the GDN layers follow the trees too
+                    # (gdn_state).
+                    names = [n for n in group.layer_names if n in attn_metadata]
+                    if names:
+                        metadata = attn_context.metadata_with_tree(
+                            attn_metadata[names[0]], batch
+                        )
+                        for name in names:
+                            attn_metadata[name] = metadata
+                    continue
                 if not isinstance(
                     builder, attn_context.TreeAttentionMetadataBuilderMixin
                 ):
@@ -338,6 +351,9 @@ class DDTreeVerifier:
         plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
         if self._attn.requests:
             self._attn.commit_kv((plan.src_rows, plan.dst_rows), row_space="batch")
+            self._attn.commit_recurrent(
+                plan.src_rows.view(num_reqs, -1), plan.num_committed
+            )
         self._attn.release()
         self._plan = plan
         self.num_tree_verifies += len(self._attn.requests)

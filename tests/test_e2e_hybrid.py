@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ddtree on a hybrid target: Gated DeltaNet layers between full-attention
+layers (Qwen3-Next shape; vLLM 0.32, CPU, bf16 as vLLM's CPU GDN kernels need).
+
+The tiny target (``tiny_models.make_arch_target(..., "qwen3_next")``: two GDN
+layers with head size 128 and conv kernel 4, two gated full-attention layers,
+MoE with a shared expert) runs in-process with prefix caching off (ddtree
+refuses it on hybrids: ``test_e2e_config.py``). Its full-attention output
+projections are zero: in bf16, the CPU tree attention's recomputed (non-spine)
+rows round differently from vLLM's decode kernel (a dense bf16 Qwen3-MoE target
+with sibling paths diverged after 6 tokens in 1 of 6 prompts), which would hide
+what this module tests; the GDN layers, the MoE and the DFlash drafter's inputs
+stay at full strength. The drafts are scripted as in
+``test_e2e_architectures``: the target's greedy continuation at rank 1 and a
+wrong token at rank 0 at every depth, so every accepted path is a sibling path
+and its recurrent state must come from a non-spine node. The GDN tree rows run
+vLLM's own CPU decode kernels (``vllm_adapter/gdn_state.py``), so they compute
+what a decode of their path computes bit for bit, and the comparison with plain
+greedy decoding is exact. Mutations: a GDN row taking the previous row's state
+and conv window fails the greedy test; a commit of the request's last tree row
+instead of the accepted node is caught by ``test_gdn_state.py`` (here the
+accepted rank-1 path always ends at the last row).
+"""
+
+import gc
+import random
+
+import pytest
+import torch
+
+from vllm_ddtree import tiny_models
+
+vllm = pytest.importorskip("vllm")
+
+BLOCK_SIZE = 5  # drafter block: L = 4 drafted positions
+MAX_TOKENS = 32
+BUDGET = 30  # holds the whole binary tree of depth 4: siblings at every depth
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory, vllm_patched):
+    root = tmp_path_factory.mktemp("hybrid")
+    target = tiny_models.make_arch_target(
+        root / "target", "qwen3_next", seed=1, dtype="bfloat16"
+    )
+    _silence_attention(target)
+    drafter = tiny_models.make_dflash_drafter(
+        root / "drafter",
+        target,
+        block_size=BLOCK_SIZE,
+        seed=2,
+        num_layers=1,
+        dtype="bfloat16",
+    )
+    return target, drafter
+
+
+def _silence_attention(target):
+    """Zeroes the full-attention layers' output projections (see the module
+    docstring)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    file = Path(target) / "model.safetensors"
+    sd = load_file(str(file))
+    names = [n for n in sd if n.endswith("self_attn.o_proj.weight")]
+    assert names
+    for name in names:
+        sd[name] = torch.zeros_like(sd[name])
+    save_file(sd, str(file), metadata={"format": "pt"})
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(250) for _ in range(n)] for n in (3, 45, 12, 70, 20, 33)]
+
+
+def generate(target, prompt_ids, speculative_config=None, **kw):
+    kw.setdefault("max_model_len", 512)
+    llm = vllm.LLM(
+        model=target,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+        seed=0,
+        **kw,
+    )
+    params = vllm.SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+    )
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    stats = {"preemptions": metrics.get("vllm:num_preemptions", 0)}
+    if speculative_config is not None:
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        stats.update(
+            drafts=metrics.get("vllm:spec_decode_num_drafts", 0),
+            accepted=metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+            branch_paths=int(runner.ddtree.num_branch_paths),
+        )
+        del runner, core
+    del llm
+    gc.collect()
+    return tokens, stats
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid):
+    p = prompts()
+    return p, generate(hybrid[0], p)[0]
+
+
+def ddtree(drafter):
+    return {
+        "method": "ddtree",
+        "model": drafter,
+        "num_speculative_tokens": BUDGET,
+        "ddtree_budget": "fixed",
+    }
+
+
+@pytest.mark.parametrize("batch", [6, 1])
+def test_sibling_paths_are_lossless(
+    hybrid, reference, scripted_drafter, truth_at_rank_1, batch
+):
+    p, ref = reference
+    chosen = list(range(len(p))) if batch > 1 else [3]
+    target, drafter = hybrid
+    scripted_drafter(truth_at_rank_1({tuple(p[i]): p[i] + ref[i] for i in chosen}))
+    out, stats = generate(target, [p[i] for i in chosen], ddtree(drafter))
+    print("hybrid", batch, stats)
+    assert out == [ref[i] for i in chosen]
+    assert stats["branch_paths"] > 0, stats
+    assert 1 + stats["accepted"] / stats["drafts"] >= 0.8 * BLOCK_SIZE, stats
