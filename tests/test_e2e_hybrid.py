@@ -139,3 +139,77 @@ def test_sibling_paths_are_lossless(
     assert out == [ref[i] for i in chosen]
     assert stats["branch_paths"] > 0, stats
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.8 * BLOCK_SIZE, stats
+
+
+# --------------------------------------------------------------------------- #
+# T = 1
+# --------------------------------------------------------------------------- #
+
+LAW_PROMPT = [5, 90, 140, 7, 222, 12, 34, 67]
+LAW_PARAMS = dict(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+N_LAW = 4000  # bf16 hybrid engines are slow on 2 cores (20000: 0.0087 TV)
+
+
+def test_law_matches_non_speculative(tmp_path_factory, vllm_patched):
+    """T = 1, top_k = 2: the joint law of the first three tokens (at most 8 cells),
+    ddtree vs N_LAW plain requests, on a "two-way" Qwen3-Next target whose law
+    depends on the context through its GDN layers only (attention and MLP
+    outputs zero, ``oracle_noise = 0``; its oracle drafter drafts the branching
+    last-token part, so sibling paths are accepted). Bound: tv_bound(8, N_LAW,
+    N_LAW) at delta = 1e-6 (0.088 at n = 4000; measured at n = 20000: TV 0.0087
+    against 0.0395, 10,968 branch paths)."""
+    from _law_utils import joint_tv, tv_bound
+
+    root = tmp_path_factory.mktemp("law_hybrid")
+    target = tiny_models.make_two_way_arch_target(
+        root / "target", "qwen3_next", partner=(tiny_models.EOS_TOKEN_ID, 200),
+        oracle_noise=0.0, dtype="bfloat16",
+    )
+    drafter = tiny_models.make_dflash_drafter(
+        root / "drafter", target, kind="oracle", block_size=BLOCK_SIZE, seed=2,
+        num_layers=1, dtype="bfloat16",
+    )
+    params = vllm.SamplingParams(**LAW_PARAMS)
+
+    def sample(spec, seed):
+        llm = vllm.LLM(
+            model=target,
+            dtype="bfloat16",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_model_len=256,
+            max_num_batched_tokens=2048,
+            disable_log_stats=False,
+            speculative_config=spec,
+            seed=seed,
+        )
+        outs = llm.generate(
+            [{"prompt_token_ids": LAW_PROMPT}] * N_LAW, params, use_tqdm=False
+        )
+        stats = {}
+        if spec is not None:
+            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            core = llm.llm_engine.engine_core.engine_core
+            runner = core.model_executor.driver_worker.worker.model_runner
+            stats = {
+                "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+                "branch_paths": int(runner.ddtree.num_branch_paths),
+            }
+            del runner, core
+        del llm
+        gc.collect()
+        return [list(o.outputs[0].token_ids) for o in outs], stats
+
+    ref, _ = sample(None, seed=1)  # another seed: independent random streams
+    outs, stats = sample(
+        {"method": "ddtree", "model": drafter, "num_speculative_tokens": 8,
+         "ddtree_budget": "fixed"},
+        seed=0,
+    )
+    assert stats["accepted"] > 0.5 * N_LAW, stats
+    assert stats["branch_paths"] > 0.05 * N_LAW, stats
+    tv, cells = joint_tv(outs, ref, slice(0, 3))
+    bound = tv_bound(8, N_LAW, N_LAW)
+    print(f"hybrid law: n={N_LAW} cells={cells} TV={tv:.4f} bound={bound:.4f} {stats}")
+    assert cells <= 8
+    assert tv <= bound, (tv, bound)
