@@ -133,6 +133,7 @@ def test_plugin_config_hook_sets_the_cuda_engine_up(on, monkeypatch):
             attention_backend=None,
             attention_config=SimpleNamespace(backend=None, backend_per_kind={}),
             kv_cache_dtype="auto",
+            enable_prefix_caching=False,
         )
         model = SimpleNamespace(enforce_eager=False, use_mla=use_mla)
         hooked(args, model, None)
