@@ -104,6 +104,7 @@ ADAPTER_FILES = {
         "gpu_attention",
         "gpu_mla_attention",
         "gdn_state",
+        "gpu_gdn",
         "requests",
         "structured_output",
         "budget_control",
@@ -341,6 +342,54 @@ STRUCTURED_EDITS = [
         "            )\n",
     ),
 ]
+
+
+# Hybrid targets: vLLM's GDN layers run the spec sequences of the layers a
+# ddtree target marks (``gdn_state.install``) as draft trees (the plugin's P12
+# wraps the same two functions).
+GDN_EDITS = [
+    (
+        "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py",
+        "    order as ``mixed_qkv_spec`` (i.e. ordered by ``spec_query_start_loc``).\n"
+        '    """\n',
+        "    order as ``mixed_qkv_spec`` (i.e. ordered by ``spec_query_start_loc``).\n"
+        '    """\n'
+        '    if getattr(layer, "ddtree_tree_state", False):\n'
+        "        # DDTree: the spec sequences are draft trees.\n"
+        "        from vllm.v1.spec_decode.ddtree.gdn_state import tree_spec_forward\n"
+        "\n"
+        "        return tree_spec_forward(\n"
+        "            layer,\n"
+        "            attn_metadata_i,\n"
+        "            mixed_qkv_spec,\n"
+        "            b_spec,\n"
+        "            a_spec,\n"
+        "            conv_buf,\n"
+        "            ssm_state,\n"
+        "        )\n",
+    ),
+    (
+        "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+        "            core_attn_out: Pre-allocated output buffer for attention results.\n"
+        "\n"
+        '        """\n',
+        "            core_attn_out: Pre-allocated output buffer for attention results.\n"
+        "\n"
+        '        """\n'
+        '        if getattr(self, "ddtree_tree_state", False):\n'
+        "            # DDTree: the spec sequences are draft trees.\n"
+        "            from vllm.v1.spec_decode.ddtree.gpu_gdn import tree_forward_core\n"
+        "\n"
+        "            if tree_forward_core(self, mixed_qkv, b, a, core_attn_out):\n"
+        "                return\n",
+    ),
+]
+
+
+def gdn_edits(tree: Path) -> None:
+    for path, old, new in GDN_EDITS:
+        file = tree / path
+        file.write_text(_edit(file.read_text(), path, old, new))
 
 
 def structured_edits(tree: Path) -> None:
@@ -776,6 +825,7 @@ EDITED_FILES = sorted(
     }
     | {e[0] for e in REQUEST_EDITS}
     | {e[0] for e in STRUCTURED_EDITS}
+    | {e[0] for e in GDN_EDITS}
     | {e[0] for e in CONFIG_EDITS}
     | {RUNNER}
 )
@@ -1047,9 +1097,17 @@ repetition penalties and bad_words per tree node, with the node's own history
 edit in float32; structured outputs (json, regex, choice, grammar,
 response_format) with xgrammar; batches mixing them; the V1 model runner;
 tensor parallelism (each worker commits its own KV heads).
+Targets: dense and MoE decoders with full, sliding-window (per layer) or
+sink attention and softcap (a node at depth d sees what position committed + d
+sees); MLA targets (CPU_MLA / AMX_MLA; TRITON_MLA on CUDA), tree rows in the
+latent space; hybrid Gated DeltaNet targets (Qwen3-Next): the GDN layers of a
+ddtree target are marked at load (`gdn_state.install`), and vLLM's CPU
+`_spec_forward` and CUDA `_forward_core` branch on the mark to run every tree
+row from its parent's recurrent state in its own state slot (the commit keeps
+the accepted node's), with prefix caching off.
 Refused with a clear error: at config time async scheduling, the V2 model
 runner, PP > 1, drafters whose hidden size / vocabulary / mask token do
-not fit the target, M-RoPE and hybrid targets, sliding window, softcapping,
+not fit the target, M-RoPE targets, hybrid targets with prefix caching,
 ALiBi, KV sharing, quantized KV caches, platforms without validated tree
 attention (CUDA without the opt-in, ROCm, XPU, TPU); per request (HTTP 400, the engine keeps
 serving) structured outputs with a grammar backend other than xgrammar, the
@@ -1225,6 +1283,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         new = copy_files(tree, ADAPTER_FILES)
         request_edits(tree)
         structured_edits(tree)
+        gdn_edits(tree)
         config_edits(tree)
         runner_edits(tree)
         ruff(tree, new)

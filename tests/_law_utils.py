@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Two-sample law tests shared by the end-to-end sampling tests."""
 
+import gc
 import math
 from collections import Counter
 
@@ -26,3 +27,38 @@ def joint_tv(a_outs, b_outs, cut) -> tuple[float, int]:
     cells = set(a) | set(b)
     tv = 0.5 * sum(abs(a[c] / len(a_outs) - b[c] / len(b_outs)) for c in cells)
     return tv, len(a)
+
+
+def sample_engine(target, prompt, params, n, spec=None, seed=0, **engine_kw):
+    """``n`` outputs of ``prompt`` from an in-process engine of ``target`` (with
+    ``spec`` as its speculative config), and, for ddtree, the engine's accepted
+    tokens and sibling paths (``branch_paths``)."""
+    import vllm
+
+    engine_kw = {
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 2048,
+        **engine_kw,
+    }
+    llm = vllm.LLM(
+        model=target,
+        disable_log_stats=False,
+        speculative_config=spec,
+        seed=seed,
+        **engine_kw,
+    )
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    stats = {}
+    if spec is not None:
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        stats = {
+            "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+            "branch_paths": int(runner.ddtree.num_branch_paths),
+        }
+        del runner, core
+    del llm
+    gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outs], stats

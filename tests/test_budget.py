@@ -347,6 +347,41 @@ def test_controller_verifies_a_drafted_tree_when_it_stops_drafting():
     assert not controller.draft_next(2)
 
 
+def test_recurrent_targets_are_charged_per_draft_node():
+    """Hybrid targets: a GDN tree row also copies its parent's state (and the
+    CPU path runs a decode call per depth level), so tree steps cost per draft
+    node too. Fed steps that cost 4 ms per tree request and 2 ms per node, at
+    several nodes per request, the controller of a recurrent target predicts
+    tree steps within 10% (a joint fit splits the two); one that charges the
+    trees per request only, fed the same steps, misprices deep and small
+    trees, so its node budgets would be off (``choose`` prices every prefix
+    with ``tree_step_seconds``)."""
+    pytest.importorskip("vllm")
+
+    def fed(recurrent):
+        c = _controller(per_row=1e-4, full=0.002, context=0.0005)
+        if recurrent:
+            c.track_recurrent_state()
+        c.record_step(5, 1.0, 1, 4)  # warm-up
+        for _ in range(20):
+            for reqs, nodes in ((1, 4), (1, 16), (2, 8), (2, 30), (4, 12), (4, 60)):
+                rows = reqs + nodes
+                seconds = 0.020 + 1e-4 * rows + 0.004 * reqs + 0.002 * nodes
+                c.record_step(rows, seconds, reqs, nodes)
+        return c
+
+    hybrid, dense = fed(True), fed(False)
+    for reqs, nodes in ((1, 32), (4, 8), (8, 64)):
+        want = 0.020 + 1e-4 * (reqs + nodes) + 0.004 * reqs + 0.002 * nodes
+        assert hybrid.tree_step_seconds(reqs + nodes, reqs) == pytest.approx(want, rel=0.1)
+    # Charged per tree request only, a deep tree is read cheap and a small one
+    # dear (each at the price of the average tree).
+    deep = 0.020 + 1e-4 * 65 + 0.004 + 0.002 * 64
+    small = 0.020 + 1e-4 * 3 + 0.004 + 0.002 * 2
+    assert dense.tree_step_seconds(65, 1) < 0.8 * deep
+    assert dense.tree_step_seconds(3, 1) > 1.2 * small
+
+
 def test_tree_overhead_is_learned_per_tree_request():
     """A tree step costs a plain step of as many rows plus, per request verifying
     a tree, what its trees add (on CPU a tree attention recompute per tree and

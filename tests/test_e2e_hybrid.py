@@ -76,7 +76,9 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(250) for _ in range(n)] for n in (3, 45, 12, 70, 20, 33)]
 
 
-def generate(target, prompt_ids, speculative_config=None, **kw):
+def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
+    """Greedy outputs of ``prompt_ids`` (and, with ``turns=2``, of a second turn
+    on the same engine: each prompt + its first answer + 5 more tokens)."""
     kw.setdefault("max_model_len", 512)
     llm = vllm.LLM(
         model=target,
@@ -91,10 +93,16 @@ def generate(target, prompt_ids, speculative_config=None, **kw):
     params = vllm.SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
     )
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
-    )
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    tokens = []
+    for _ in range(turns):
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+        )
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        prompt_ids = [
+            p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1], strict=True)
+        ]
+    tokens = tokens[0] if turns == 1 else tokens
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     stats = {"preemptions": metrics.get("vllm:num_preemptions", 0)}
     if speculative_config is not None:
@@ -141,6 +149,33 @@ def test_sibling_paths_are_lossless(
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.8 * BLOCK_SIZE, stats
 
 
+def test_preemption_and_a_second_turn(hybrid, scripted_drafter, truth_at_rank_1):
+    """A cache too small for the batch: requests are preempted between verify
+    steps and recomputed (their recurrent states rebuilt by prefill), then a
+    second turn on the same engine (prompt + first answer + 5 tokens, recomputed:
+    prefix caching is off for hybrids). Greedy identical to no speculation with
+    the same cache, sibling paths accepted. The hybrid page size makes attention
+    blocks 512 tokens here, and a ddtree request holds 1 + B recurrent-state
+    blocks per GDN group, so the prompts sit just below a block boundary and
+    70 blocks (measured: 2 preemptions) hold fewer requests than grow."""
+    target, drafter = hybrid
+    rng = random.Random(1)
+    p = [[rng.randrange(250) for _ in range(n)] for n in (470, 480, 490, 495, 500, 485)]
+    kw = dict(num_gpu_blocks_override=70, max_model_len=1024)
+    want, _ = generate(target, p, turns=2, **kw)
+    full = {}
+    for q, first, second in zip(p, want[0], want[1], strict=True):
+        full[tuple(q)] = q + first
+        turn = q + first + [1, 2, 3, 4, 5]
+        full[tuple(turn)] = turn + second
+    scripted_drafter(truth_at_rank_1(full))
+    out, stats = generate(target, p, ddtree(drafter), turns=2, **kw)
+    print("hybrid preemption, two turns:", stats)
+    assert out == want
+    assert stats["preemptions"] > 0, stats
+    assert stats["branch_paths"] > 0, stats
+
+
 # --------------------------------------------------------------------------- #
 # T = 1
 # --------------------------------------------------------------------------- #
@@ -158,7 +193,7 @@ def test_law_matches_non_speculative(tmp_path_factory, vllm_patched):
     last-token part, so sibling paths are accepted). Bound: tv_bound(8, N_LAW,
     N_LAW) at delta = 1e-6 (0.088 at n = 4000; measured at n = 20000: TV 0.0087
     against 0.0395, 10,968 branch paths)."""
-    from _law_utils import joint_tv, tv_bound
+    from _law_utils import joint_tv, sample_engine, tv_bound
 
     root = tmp_path_factory.mktemp("law_hybrid")
     target = tiny_models.make_two_way_arch_target(
@@ -172,33 +207,10 @@ def test_law_matches_non_speculative(tmp_path_factory, vllm_patched):
     params = vllm.SamplingParams(**LAW_PARAMS)
 
     def sample(spec, seed):
-        llm = vllm.LLM(
-            model=target,
-            dtype="bfloat16",
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_model_len=256,
-            max_num_batched_tokens=2048,
-            disable_log_stats=False,
-            speculative_config=spec,
-            seed=seed,
-        )
-        outs = llm.generate(
-            [{"prompt_token_ids": LAW_PROMPT}] * N_LAW, params, use_tqdm=False
-        )
-        stats = {}
-        if spec is not None:
-            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-            core = llm.llm_engine.engine_core.engine_core
-            runner = core.model_executor.driver_worker.worker.model_runner
-            stats = {
-                "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-                "branch_paths": int(runner.ddtree.num_branch_paths),
-            }
-            del runner, core
-        del llm
-        gc.collect()
-        return [list(o.outputs[0].token_ids) for o in outs], stats
+        return sample_engine(
+            target, LAW_PROMPT, params, N_LAW, spec, seed,
+            dtype="bfloat16", enable_prefix_caching=False,
+        )  # fmt: skip
 
     ref, _ = sample(None, seed=1)  # another seed: independent random streams
     outs, stats = sample(

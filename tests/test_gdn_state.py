@@ -130,7 +130,7 @@ class Case:
     def run(self, layer, stash=True):
         metadata, batch = self.metadata(stash)
         conv, ssm = self.conv.clone(), self.ssm.clone()
-        out = gdn_state._tree_forward(
+        out = gdn_state.tree_spec_forward(
             layer, metadata, self.x, self.b, self.a, conv, ssm
         )
         return out, conv, ssm, batch
@@ -169,7 +169,7 @@ def test_a_request_without_drafts_is_one_decode():
     metadata, _ = case.metadata()
     metadata.tree = None
     conv, ssm = case.conv.clone(), case.ssm.clone()
-    out = gdn_state._tree_forward(layer, metadata, case.x, case.b, case.a, conv, ssm)
+    out = gdn_state.tree_spec_forward(layer, metadata, case.x, case.b, case.a, conv, ssm)
     want, want_conv, want_state = case.oracle(layer, 0)
     slot = int(case.columns[0])
     assert torch.equal(out[0], want)

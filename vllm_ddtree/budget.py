@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "AcceptanceCalibration",
     "StepCostModel",
+    "NodeCostModel",
     "allocate_nodes",
 ]
 
@@ -250,3 +251,51 @@ class StepCostModel:
     def estimate(self, rows) -> float | None:
         """``predict``, or None before the first sample."""
         return self.predict(rows) if self.ready else None
+
+
+class NodeCostModel:
+    """Seconds per draft node of a tree step, beyond a plain step of as many
+    rows and beside a cost per tree request (hybrid targets: a GDN tree row
+    copies its parent's state).
+
+    The extra seconds of each tree step are regressed on (tree requests,
+    nodes) by least squares with :class:`StepCostModel`'s exponential
+    forgetting; the node slope is this model's. The two counts rise together
+    (more requests, more nodes), so a per-node estimate from residuals alone
+    converges slowly; the joint fit separates them as soon as the steps differ
+    in nodes per request. Until they do (a singular fit) the slope is the
+    residual one: ``(extra - per-request part) / nodes``.
+    """
+
+    def __init__(self, decay: float = 0.995):
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        self._sums = np.zeros(6)  # rr, rn, nn, r * extra, n * extra, n * residual
+
+    def update(
+        self, tree_requests: float, nodes: float, extra: float, residual: float
+    ) -> None:
+        """One tree step: ``extra`` seconds beyond a plain step, ``residual``
+        of them not predicted by the per-request model."""
+        r, n = float(tree_requests), float(nodes)
+        self._sums *= self.decay
+        self._sums += (r * r, r * n, n * n, r * extra, n * extra, n * residual)
+
+    @property
+    def ready(self) -> bool:
+        return self._sums[2] > 0
+
+    @property
+    def slope(self) -> float:
+        """Seconds per node (0 before the first sample)."""
+        rr, rn, nn, re, ne, nres = self._sums
+        if nn <= 0:
+            return 0.0
+        det = rr * nn - rn * rn
+        if det > 1e-6 * rr * nn:
+            return max((rr * ne - rn * re) / det, 0.0)
+        return max(nres / nn, 0.0)
+
+    def predict(self, nodes) -> np.ndarray | float:
+        return self.slope * np.asarray(nodes, dtype=np.float64)

@@ -93,23 +93,26 @@ def tree_conv_windows(
         width: the conv kernel size W.
     """
     parents = parent_rows.to(torch.int64)
-    depth = tree_depths(parents)
     slots = conv_slots.to(torch.int64)
     windows = torch.empty(
         x.shape[0], x.shape[1], width - 1, dtype=conv_state.dtype, device=x.device
     )
-    # Walk up one ancestor per tap; past the root, read the committed inputs.
+    # Walk up one ancestor per tap (on the device: no host loop over rows);
+    # past the root, read the committed inputs. ``found``: the row's depth,
+    # clipped at the taps walked so far.
     ancestor = parents.clone()
+    found = torch.zeros_like(parents)
     for dist in range(1, width):
-        in_tree = depth >= dist
+        in_tree = ancestor >= 0
         rows = ancestor.clamp(min=0)
-        column = (width - 1 - (dist - depth)).clamp(0, width - 2)
+        column = (width - 1 - (dist - found)).clamp(0, width - 2)
         committed = conv_state[slots, :, column]  # [M, D]
         tap = torch.where(
             in_tree[:, None], x.index_select(0, rows).to(windows.dtype), committed
         )
         windows[:, :, width - 1 - dist] = tap
-        ancestor = torch.where(ancestor >= 0, parents[rows], ancestor)
+        found = found + in_tree.to(found.dtype)
+        ancestor = torch.where(in_tree, parents[rows], ancestor)
     return windows
 
 

@@ -52,7 +52,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_ddtree.budget import AcceptanceCalibration, StepCostModel, allocate_nodes
+from vllm_ddtree.budget import (
+    AcceptanceCalibration,
+    NodeCostModel,
+    StepCostModel,
+    allocate_nodes,
+)
 from vllm_ddtree.tree import DraftTree
 
 __all__ = ["BudgetController", "StepPrices"]
@@ -85,6 +90,12 @@ class BudgetController:
         # Seconds per tree request beyond a plain step of as many rows, by tree
         # requests (none before the first tree step: trees cost their rows).
         self.tree_overhead_cost = StepCostModel(max_reqs)
+        # Hybrid targets (:meth:`track_recurrent_state`): seconds per draft node
+        # beyond a plain row. A GDN layer's tree row first gets its parent's
+        # state (``HV x K x V`` elements per node and layer, copied on the CPU)
+        # and the CPU path runs one decode call per depth level, work that grows
+        # with the nodes, not with the tree requests. None for other targets.
+        self.tree_node_cost: NodeCostModel | None = None
         self._tree_warmed_up = False
         # The full pass by requests, one model per draft depth (the drafter's
         # block forward, the same at every depth, plus the LM head over
@@ -208,11 +219,26 @@ class BudgetController:
         finally:
             del drafter.dummy_run  # the class's method again
 
+    def track_recurrent_state(self) -> None:
+        """The target has recurrent (GDN) layers: tree steps are also charged
+        per draft node (:attr:`tree_node_cost`)."""
+        if self.tree_node_cost is None:
+            self.tree_node_cost = NodeCostModel()
+
     def record_step(
-        self, rows: int, target_seconds: float, tree_requests: int = 0
+        self,
+        rows: int,
+        target_seconds: float,
+        tree_requests: int = 0,
+        tree_nodes: int = 0,
     ) -> None:
         """One target step of ``rows`` rows, ``tree_requests`` of its requests
-        verifying drafts (0: a plain step)."""
+        verifying ``tree_nodes`` draft nodes in all (0: a plain step).
+
+        With a per-node model (hybrid targets) the step's extra time is split:
+        the node slope from a joint fit (:class:`NodeCostModel`), the per-request
+        model from what the nodes leave (steps of different nodes per tree
+        request tell them apart; at one ratio any split predicts the same)."""
         if rows <= 0 or target_seconds <= 0:
             return
         if not tree_requests:
@@ -223,15 +249,37 @@ class BudgetController:
             self._tree_warmed_up = True
         elif self.plain_step_cost.ready:
             extra = max(target_seconds - float(self.plain_step_cost.predict(rows)), 0.0)
-            self.tree_overhead_cost.update(tree_requests, extra / tree_requests)
+            per_node = self.tree_node_cost
+            if per_node is None or tree_nodes <= 0:
+                self.tree_overhead_cost.update(tree_requests, extra / tree_requests)
+                return
+            by_trees = self._tree_seconds(tree_requests)
+            per_node.update(tree_requests, tree_nodes, extra, extra - by_trees)
+            by_nodes = float(per_node.predict(tree_nodes))
+            self.tree_overhead_cost.update(
+                tree_requests, max(extra - by_nodes, 0.0) / tree_requests
+            )
+
+    def _tree_seconds(self, tree_requests: int) -> float:
+        if not tree_requests or not self.tree_overhead_cost.ready:
+            return 0.0
+        return tree_requests * float(self.tree_overhead_cost.predict(tree_requests))
+
+    def _node_seconds(self, nodes):
+        model = self.tree_node_cost
+        if model is None or not model.ready:
+            return 0.0
+        return model.predict(nodes)
 
     def tree_step_seconds(self, rows, tree_requests: int):
         """Predicted seconds of a verify step of ``rows`` rows (a number or an
-        array) with ``tree_requests`` requests verifying trees."""
+        array) with ``tree_requests`` requests verifying trees (and ``rows -
+        tree_requests`` draft nodes: the root rows are the requests')."""
         seconds = self.plain_step_cost.predict(rows)
-        if tree_requests and self.tree_overhead_cost.ready:
-            per_tree = float(self.tree_overhead_cost.predict(tree_requests))
-            seconds = seconds + tree_requests * per_tree
+        if tree_requests:
+            nodes = np.maximum(np.asarray(rows) - tree_requests, 0)
+            seconds = seconds + self._tree_seconds(tree_requests)
+            seconds = seconds + self._node_seconds(nodes)
         return seconds
 
     def record_drafter(

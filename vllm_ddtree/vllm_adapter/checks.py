@@ -55,15 +55,16 @@ def check_target_and_platform(
 
 def check_hybrid_target(prefix_caching: bool) -> None:
     """Refuses what a hybrid (Gated DeltaNet) target cannot do exactly with
-    ddtree: the tree path of its recurrent layers (``gdn_state``) runs on the
-    CPU, and without vLLM's prefix caching of recurrent states."""
+    ddtree: the tree path of its recurrent layers runs on the CPU
+    (``gdn_state``) and, opted in, on CUDA (``gpu_gdn``), without vLLM's prefix
+    caching of recurrent states."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not (current_platform.is_cpu() or gpu_opted_in(current_platform)):
         raise ValueError(
-            "ddtree serves hybrid (Gated DeltaNet) targets on the CPU only: their "
-            "recurrent layers follow the tree there (the Triton tree recurrence, "
-            "ops/tree_gdn.py, is not wired into vLLM's GPU GDN path yet)"
+            "ddtree serves hybrid (Gated DeltaNet) targets on the CPU, and on CUDA "
+            f"with {UNVALIDATED_GPU_ENV}=1 (the Triton tree recurrence, not yet "
+            "run on a GPU): their recurrent layers must follow the tree"
         )
     if prefix_caching:
         raise ValueError(

@@ -43,9 +43,13 @@ decorate in-tree in the upstream patch series (``patches/``):
   for ddtree and vLLM's own ``"dflash"`` alike. vLLM keeps the cache's block
   size wherever every backend accepts it, so other models are unchanged (the
   patch series' first commit makes the same change in-tree).
+* P12 ``gdn_state.install`` (when a ddtree target has Gated DeltaNet layers):
+  vLLM's CPU ``_spec_forward`` and CUDA ``QwenGatedDeltaNetAttention.
+  _forward_core`` run the tree path for the layers it marks (in the series, an
+  explicit branch in each; :func:`plugin_hooks.gdn_install_hook`).
 Only P7 and P11 change vLLM's behaviour when ddtree is off (they fix in-tree
-``"dflash"`` on CPU); P1-P6 and P8-P10 are no-ops unless an engine asks for
-ddtree. The
+``"dflash"`` on CPU); P1-P6 and P8-P10, P12 are no-ops unless an engine asks
+for ddtree. The
 not-yet-validated CUDA path needs no patch point: the shared start-up checks
 admit it when opted in (:func:`~vllm_ddtree.vllm_adapter.checks.gpu_opted_in`),
 P1 sets its engine options and the verifier registers its attention backend.
@@ -68,7 +72,7 @@ _installed = False
 
 
 def install() -> None:
-    """Installs P1-P11 (idempotent)."""
+    """Installs P1-P12 (idempotent)."""
     global _installed
     if _installed:
         return
@@ -115,6 +119,9 @@ def install() -> None:
     StructuredOutputManager.grammar_bitmask = plugin_hooks.grammar_bitmask_hook(
         StructuredOutputManager.grammar_bitmask
     )
+    from vllm_ddtree.vllm_adapter import gdn_state
+
+    gdn_state.install = plugin_hooks.gdn_install_hook(gdn_state.install)
     _fix_cpu_dflash_context_k_norm()
     _declare_cpu_attention_16_token_blocks()
     _installed = True

@@ -25,11 +25,6 @@ import os
 from typing import Any
 
 from vllm_ddtree.vllm_adapter.checks import gpu_backend_per_kind, gpu_engine_settings
-from vllm_ddtree.vllm_adapter.structured_output import (
-    store_draft_trees,
-    tree_grammar_bitmask,
-    validate_draft_tree,
-)
 from vllm_ddtree.vllm_adapter.config import (
     DDTREE_KEYS,
     DDTREE_METHOD,
@@ -37,6 +32,11 @@ from vllm_ddtree.vllm_adapter.config import (
     check_no_stray_keys,
     get_ddtree_config,
     resolve_ddtree_config,
+)
+from vllm_ddtree.vllm_adapter.structured_output import (
+    store_draft_trees,
+    tree_grammar_bitmask,
+    validate_draft_tree,
 )
 
 __all__ = [
@@ -206,3 +206,64 @@ def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
     cfg = DDTreeConfig(budget=spec.get("num_speculative_tokens"), **fields)
     spec["method"] = "dflash"
     return cfg
+
+
+def gdn_install_hook(install):
+    """P12: ``gdn_state.install`` also routes vLLM's GDN code to the tree path
+    for the layers it marks (in the series, an explicit branch in vLLM's CPU
+    ``_spec_forward`` and in the CUDA ``_forward_core``)."""
+
+    def hooked(model) -> int:
+        count = install(model)
+        if count:
+            _route_gdn_layers()
+        return count
+
+    return hooked
+
+
+def _route_gdn_layers() -> None:
+    """The branches of the series, as wrappers (idempotent; unmarked layers
+    keep vLLM's code)."""
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.vllm_adapter import gdn_state
+
+    marked = gdn_state.TREE_STATE_ATTR
+    if current_platform.is_cuda():
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+            QwenGatedDeltaNetAttention as layer_class,
+        )
+
+        from vllm_ddtree.vllm_adapter import gpu_gdn
+
+        stock = layer_class._forward_core
+        if getattr(stock, "_ddtree", False):
+            return
+
+        def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+            if getattr(self, marked, False) and gpu_gdn.tree_forward_core(
+                self, mixed_qkv, b, a, core_attn_out
+            ):
+                return None
+            return stock(self, mixed_qkv, b, a, core_attn_out)
+
+        _forward_core._ddtree = True
+        layer_class._forward_core = _forward_core
+        return
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    stock_spec = gdn_attention._spec_forward
+    if getattr(stock_spec, "_ddtree", False):
+        return
+
+    def _spec_forward(layer, attn_metadata, mixed_qkv, b, a, conv_buf, ssm, *args):
+        if getattr(layer, marked, False):
+            return gdn_state.tree_spec_forward(
+                layer, attn_metadata, mixed_qkv, b, a, conv_buf, ssm
+            )
+        return stock_spec(layer, attn_metadata, mixed_qkv, b, a, conv_buf, ssm, *args)
+
+    _spec_forward._ddtree = True
+    gdn_attention._spec_forward = _spec_forward
+

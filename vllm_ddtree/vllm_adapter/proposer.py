@@ -65,7 +65,8 @@ class DDTreeProposer(DFlashProposer):
         attn_context.check_model_tree_attention(target_model)
         from vllm_ddtree.vllm_adapter import gdn_state
 
-        gdn_state.install(target_model)
+        # Recurrent (GDN) layers of a hybrid target, put on the tree path.
+        self.num_recurrent_layers = gdn_state.install(target_model)
         super().load_model(target_model, *args, **kwargs)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):

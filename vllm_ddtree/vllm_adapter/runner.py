@@ -118,7 +118,7 @@ class DDTreeVerifier:
         self._budget_logged = time.monotonic()
         self.stash = TreeStash(keep_path_probs=self.budget is not None)
         # This step's state, from prepare_tree_inputs to after_propose.
-        self._step_clock: tuple[float, int, int] | None = None
+        self._step_clock: tuple[float, int, int, int] | None = None
         self._drafter_seconds = 0.0
         self._propose_started = 0.0
         self._step: StepTrees | None = None
@@ -147,6 +147,8 @@ class DDTreeVerifier:
         KV cache exists, before serving)."""
         if self.budget is not None:
             runner = self.runner
+            if getattr(runner.drafter, "num_recurrent_layers", 0):
+                self.budget.track_recurrent_state()
             self.budget.profile(runner, min(runner.max_num_tokens, 512))
 
     def input_fits_in_drafter(self, common_attn_metadata) -> bool:
@@ -177,6 +179,7 @@ class DDTreeVerifier:
                 time.perf_counter(),
                 scheduler_output.total_num_scheduled_tokens,
                 sum(1 for d in drafts if d),  # requests verifying drafts
+                sum(len(d) for d in drafts),  # their draft nodes
             )
             self._drafter_seconds = 0.0
 
@@ -189,7 +192,7 @@ class DDTreeVerifier:
         # Host time of the step: on CPU the work itself; the stash's
         # device->host copy of the trees has synchronized before this point.
         seconds = time.perf_counter() - clock[0] - self._drafter_seconds
-        self.budget.record_step(clock[1], seconds, clock[2])
+        self.budget.record_step(clock[1], seconds, clock[2], clock[3])
         self._step_clock = None
         now = time.monotonic()
         if now - self._budget_logged >= _BUDGET_LOG_INTERVAL_S:
