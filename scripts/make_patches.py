@@ -370,9 +370,11 @@ GDN_EDITS = [
     ),
     (
         "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+        "            a: alpha gating vector                  (num_tokens, num_heads)\n"
         "            core_attn_out: Pre-allocated output buffer for attention results.\n"
         "\n"
         '        """\n',
+        "            a: alpha gating vector                  (num_tokens, num_heads)\n"
         "            core_attn_out: Pre-allocated output buffer for attention results.\n"
         "\n"
         '        """\n'
