@@ -151,17 +151,22 @@ def test_sibling_paths_are_lossless(
 
 def test_preemption_and_a_second_turn(hybrid, scripted_drafter, truth_at_rank_1):
     """A cache too small for the batch: requests are preempted between verify
-    steps and recomputed (their recurrent states rebuilt by prefill), then a
+    steps and recomputed (their recurrent states rebuilt by chunked prefill,
+    chunks beside other requests' tree verifies), then a
     second turn on the same engine (prompt + first answer + 5 tokens, recomputed:
     prefix caching is off for hybrids). Greedy identical to no speculation with
     the same cache, sibling paths accepted. The hybrid page size makes attention
     blocks 512 tokens here, and a ddtree request holds 1 + B recurrent-state
     blocks per GDN group, so the prompts sit just below a block boundary and
-    70 blocks (measured: 2 preemptions) hold fewer requests than grow."""
+    70 blocks (measured: 10 preemptions) hold fewer requests than grow."""
     target, drafter = hybrid
     rng = random.Random(1)
     p = [[rng.randrange(250) for _ in range(n)] for n in (470, 480, 490, 495, 500, 485)]
-    kw = dict(num_gpu_blocks_override=70, max_model_len=1024)
+    # 256-token steps: the prompts prefill in two chunks, beside other
+    # requests' tree verifies (mixed GDN batches).
+    kw = dict(
+        num_gpu_blocks_override=70, max_model_len=1024, max_num_batched_tokens=256
+    )
     want, _ = generate(target, p, turns=2, **kw)
     full = {}
     for q, first, second in zip(p, want[0], want[1], strict=True):
@@ -197,12 +202,20 @@ def test_law_matches_non_speculative(tmp_path_factory, vllm_patched):
 
     root = tmp_path_factory.mktemp("law_hybrid")
     target = tiny_models.make_two_way_arch_target(
-        root / "target", "qwen3_next", partner=(tiny_models.EOS_TOKEN_ID, 200),
-        oracle_noise=0.0, dtype="bfloat16",
+        root / "target",
+        "qwen3_next",
+        partner=(tiny_models.EOS_TOKEN_ID, 200),
+        oracle_noise=0.0,
+        dtype="bfloat16",
     )
     drafter = tiny_models.make_dflash_drafter(
-        root / "drafter", target, kind="oracle", block_size=BLOCK_SIZE, seed=2,
-        num_layers=1, dtype="bfloat16",
+        root / "drafter",
+        target,
+        kind="oracle",
+        block_size=BLOCK_SIZE,
+        seed=2,
+        num_layers=1,
+        dtype="bfloat16",
     )
     params = vllm.SamplingParams(**LAW_PARAMS)
 
@@ -214,8 +227,12 @@ def test_law_matches_non_speculative(tmp_path_factory, vllm_patched):
 
     ref, _ = sample(None, seed=1)  # another seed: independent random streams
     outs, stats = sample(
-        {"method": "ddtree", "model": drafter, "num_speculative_tokens": 8,
-         "ddtree_budget": "fixed"},
+        {
+            "method": "ddtree",
+            "model": drafter,
+            "num_speculative_tokens": 8,
+            "ddtree_budget": "fixed",
+        },
         seed=0,
     )
     assert stats["accepted"] > 0.5 * N_LAW, stats
