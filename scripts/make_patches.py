@@ -632,8 +632,10 @@ CONFIG_EDITS = [
     ),
     (
         "vllm/config/vllm.py",
-        "        self._verify_aux_output_compatibility()\n",
-        "        self._verify_aux_output_compatibility()\n"
+        # Before the compilation mode and CUDA graphs are resolved from
+        # enforce_eager, which the check sets for ddtree on CUDA.
+        "        self.try_verify_and_update_config()\n",
+        "        self.try_verify_and_update_config()\n"
         "        if self.speculative_config is not None:\n"
         "            from vllm.v1.spec_decode.ddtree.config import (\n"
         "                verify_speculative_config,\n"

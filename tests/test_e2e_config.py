@@ -220,3 +220,35 @@ def test_options_reach_the_engine_config(pair):
         assert spec.compute_hash() != engine_spec().compute_hash()
     else:  # the plugin
         assert spec.method == "dflash"
+
+
+def test_a_cuda_ddtree_engine_resolves_eager(pair, monkeypatch):
+    """On CUDA (faked: the platform's ``is_cuda``, the opt-in set) a ddtree
+    engine runs eager, without torch.compile or CUDA graphs, on TRITON_ATTN: its
+    tree plans are built on the host per step, so a graph replay would reuse one
+    step's. The check that sets eager must run before vLLM resolves the
+    compilation mode from it (the series ran it after: compilation stayed on)."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vllm.plugins import load_general_plugins
+
+    target, drafter = pair
+
+    def config():
+        return EngineArgs(model=target, dtype="float32", max_model_len=256,
+                          speculative_config=ddtree(drafter)).create_engine_config()
+
+    # Once on the real platform: the plugin's and the model registry's imports
+    # (they import CUDA-only modules on a faked CUDA).
+    load_general_plugins()
+    config()
+    monkeypatch.setenv("VLLM_DDTREE_UNVALIDATED_GPU", "1")
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    config = config()
+    assert config.model_config.enforce_eager
+    assert config.compilation_config.mode == CompilationMode.NONE
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert config.attention_config.backend.name == "TRITON_ATTN"
+
