@@ -199,3 +199,34 @@ def test_the_verifier_registers_the_tree_backend_on_cuda(on):
         for backend, path in was.items():
             if path != ours[backend]:
                 backend.clear_override()
+
+
+def test_tree_builders_declare_no_cuda_graph_support():
+    """Every tree-aware metadata builder reports ``AttentionCGSupport.NEVER``
+    (the stock TRITON_ATTN builder says ALWAYS): its tree plans are host-built
+    per step, so vLLM must not capture full graphs of these layers."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+    from vllm_ddtree.vllm_adapter import (
+        cpu_attention,
+        cpu_mla_attention,
+        gpu_attention,
+        gpu_mla_attention,
+    )
+
+    builders = [
+        cpu_attention.DDTreeCPUAttentionMetadataBuilder,
+        cpu_mla_attention.DDTreeCPUMLAMetadataBuilder,
+        cpu_mla_attention.DDTreeAMXMLAMetadataBuilder,
+        gpu_attention.DDTreeTritonAttentionMetadataBuilder,
+        gpu_mla_attention.DDTreeTritonMLAMetadataBuilder,
+    ]
+    assert TritonAttentionMetadataBuilder.get_cudagraph_support(None, None) == (
+        AttentionCGSupport.ALWAYS
+    )
+    for builder in builders:
+        assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER, (
+            builder
+        )
+

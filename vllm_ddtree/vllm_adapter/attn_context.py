@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 
 __all__ = [
     "LayerKVStash",
@@ -515,7 +515,15 @@ class TreeAttentionMetadataBuilderMixin:
     the target's attention groups only; a metadata without ``tree`` (every other
     build: dummy runs, the drafter's pass, steps without drafts) attends as the
     stock backend does.
+
+    CUDA graphs: none of these layers. A verify forward's tree rows read plans
+    built on the host from that step's trees, into metadata replaced after the
+    build; a captured graph would replay one step's trees for every later step.
+    vLLM then captures no full graphs with these builders (piecewise graphs
+    still run around the attention ops).
     """
+
+    _cudagraph_support = AttentionCGSupport.NEVER
 
     def with_tree(self, metadata, batch: TreeAttentionBatch):
         """``metadata`` for a forward over ``batch``'s trees."""
