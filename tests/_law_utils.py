@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two-sample law tests shared by the end-to-end sampling tests."""
+"""Two-sample law tests and engine helpers shared by the end-to-end tests."""
 
 import gc
 import math
@@ -62,3 +62,20 @@ def sample_engine(target, prompt, params, n, spec=None, seed=0, **engine_kw):
     del llm
     gc.collect()
     return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
+def generate_turns(llm, prompt_ids, params, turns=1):
+    """Outputs (token ids) of ``prompt_ids`` on ``llm`` and, with ``turns=2``,
+    of a second turn on the same engine: each prompt + its first answer + 5 more
+    tokens (a list per turn)."""
+    tokens = []
+    for _ in range(turns):
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+        )
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        prompt_ids = [
+            p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1], strict=True)
+        ]
+    return tokens[0] if turns == 1 else tokens
+

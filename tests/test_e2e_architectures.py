@@ -25,6 +25,7 @@ import gc
 import random
 
 import pytest
+from _law_utils import generate_turns
 
 from vllm_ddtree import tiny_models
 
@@ -88,15 +89,7 @@ def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
     params = vllm.SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
     )
-    tokens = []
-    for _ in range(turns):
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
-        )
-        tokens.append([list(o.outputs[0].token_ids) for o in outs])
-        prompt_ids = [
-            p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1], strict=True)
-        ]
+    tokens = generate_turns(llm, prompt_ids, params, turns)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     stats = {
         "preemptions": metrics.get("vllm:num_preemptions", 0),
@@ -114,7 +107,7 @@ def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
         del runner, core
     del llm
     gc.collect()
-    return (tokens[0] if turns == 1 else tokens), stats
+    return tokens, stats
 
 
 @pytest.fixture(scope="module")

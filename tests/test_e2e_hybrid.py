@@ -27,6 +27,7 @@ import random
 
 import pytest
 import torch
+from _law_utils import generate_turns
 
 from vllm_ddtree import tiny_models
 
@@ -93,16 +94,7 @@ def generate(target, prompt_ids, speculative_config=None, turns=1, **kw):
     params = vllm.SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
     )
-    tokens = []
-    for _ in range(turns):
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
-        )
-        tokens.append([list(o.outputs[0].token_ids) for o in outs])
-        prompt_ids = [
-            p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1], strict=True)
-        ]
-    tokens = tokens[0] if turns == 1 else tokens
+    tokens = generate_turns(llm, prompt_ids, params, turns)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     stats = {"preemptions": metrics.get("vllm:num_preemptions", 0)}
     if speculative_config is not None:
