@@ -151,6 +151,31 @@ FILE_REWRITES = [
         '_EXTENSION = "vllm._C_stable_libtorch"\n_NAMESPACE = "_C"\n'
         '_OPERATOR = "ddtree_tree_verify"\n',
     ),
+    # In-tree, the docstrings name no plugin module.
+    (
+        "vllm_ddtree/vllm_adapter/runner.py",
+        "In vLLM with ddtree in-tree each of these is an explicit ``if self.ddtree is not\n"
+        "None:`` branch of ``GPUModelRunner``; the plugin makes the same calls from a\n"
+        "runner subclass (:mod:`vllm_ddtree.vllm_adapter.plugin_runner`).\n",
+        "Each of these is an explicit ``if self.ddtree is not None:`` branch of\n"
+        "``GPUModelRunner``.\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/requests.py",
+        "applies them: in-tree, ``_validate_spec_decode`` skips ddtree; the plugin hides\n"
+        "them from vLLM's check (:func:`vllm_ddtree.vllm_adapter.hooks.process_inputs_hook`).\n",
+        "applies them: ``_validate_spec_decode`` skips ddtree.\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/requests.py",
+        "    In vLLM with ddtree in-tree, ``InputProcessor._validate_params``,\n"
+        "    ``EngineCore.preprocess_add_request`` and ``LLMEngine.add_request`` (for a\n"
+        "    pre-built ``EngineCoreRequest``) call it; the plugin calls it from\n"
+        "    decorators on the same methods (:mod:`.hooks`).\n",
+        "    ``InputProcessor._validate_params``, ``EngineCore.preprocess_add_request``\n"
+        "    and ``LLMEngine.add_request`` (for a pre-built ``EngineCoreRequest``) call\n"
+        "    it.\n",
+    ),
 ]
 
 INTREE_INIT = '''# SPDX-License-Identifier: Apache-2.0
