@@ -413,6 +413,146 @@ GDN_EDITS = [
 ]
 
 
+# Tree attention in one pass: TRITON_ATTN's unified kernel takes a query-query
+# bias per sequence (the shared ``qq_bias`` of static trees cannot express a
+# different draft tree per request).
+_UA = "vllm/v1/attention/ops/triton_unified_attention.py"
+_TA = "vllm/v1/attention/backends/triton_attn.py"
+_HELPERS = "vllm/v1/attention/ops/triton_attention_helpers.py"
+ATTN_EDITS = [
+    (
+        _HELPERS,
+        "    is_query_key = key_rel_pos >= 0 and key_rel_pos < qq_bias_stride_0\n",
+        "    # `&`, not `and`: the same compiled, and elementwise under\n"
+        "    # TRITON_INTERPRET=1 too (where `and` is Python's and drops the first\n"
+        "    # test).\n"
+        "    is_query_key = (key_rel_pos >= 0) & (key_rel_pos < qq_bias_stride_0)\n",
+    ),
+    (
+        _UA,
+        "    qq_bias_ptr,\n    # Scalars\n",
+        "    qq_bias_ptr,\n"
+        "    qq_bias_seq_offsets_ptr,  # [num_seqs] int32 (-1: no bias), or None\n"
+        "    # Scalars\n",
+    ),
+    (
+        _UA,
+        "    USE_QQ_BIAS: tl.constexpr,  # bool\n",
+        "    USE_QQ_BIAS: tl.constexpr,  # bool\n"
+        "    USE_QQ_BIAS_PER_SEQ: tl.constexpr,  # bool\n",
+    ),
+    (
+        _UA,
+        "    if USE_QQ_BIAS:\n"
+        "        qq_bias_row_ptrs = qq_bias_ptr + query_pos[:, None] * qq_bias_stride_0\n",
+        "    qq_bias_seq_offset = 0\n"
+        "    if USE_QQ_BIAS_PER_SEQ:\n"
+        "        # This sequence's own [Q, Q] bias (e.g. its draft tree's mask), or\n"
+        "        # none (-1). Padding rows of the last query block read its last row.\n"
+        "        qq_bias_seq_offset = tl.load(qq_bias_seq_offsets_ptr + seq_idx)\n"
+        "        qq_bias_rows = tl.minimum(query_pos, cur_batch_query_len - 1)\n"
+        "        qq_bias_row_ptrs = (\n"
+        "            qq_bias_ptr\n"
+        "            + qq_bias_seq_offset\n"
+        "            + qq_bias_rows[:, None] * qq_bias_stride_0\n"
+        "        )\n"
+        "    elif USE_QQ_BIAS:\n"
+        "        qq_bias_row_ptrs = qq_bias_ptr + query_pos[:, None] * qq_bias_stride_0\n",
+    ),
+    (
+        _UA,
+        "        if USE_QQ_BIAS:\n"
+        "            S += load_qq_bias_tile(\n"
+        "                qq_bias_row_ptrs, seq_offset, context_len, qq_bias_stride_0\n"
+        "            )\n",
+        "        if USE_QQ_BIAS:\n"
+        "            if qq_bias_seq_offset >= 0:\n"
+        "                S += load_qq_bias_tile(\n"
+        "                    qq_bias_row_ptrs, seq_offset, context_len, qq_bias_stride_0\n"
+        "                )\n",
+    ),
+    (
+        _UA,
+        "    qq_bias=None,\n    # Optional tensor for sinks\n",
+        "    qq_bias=None,\n"
+        "    # Optional [num_seqs] int32 element offsets into ``qq_bias``: sequence i\n"
+        "    # adds the [Q, Q] bias at qq_bias_seq_offsets[i] (row stride\n"
+        "    # qq_bias.stride(-2) = Q), or none where the offset is -1. Without it\n"
+        "    # every sequence adds the same ``qq_bias``.\n"
+        "    qq_bias_seq_offsets=None,\n"
+        "    # Optional tensor for sinks\n",
+    ),
+    (
+        _UA,
+        "    if kv_quant_mode == KVQuantMode.INT4_PER_TOKEN_HEAD:\n"
+        "        assert use_causal and not use_per_seq_causal, (\n",
+        "    if qq_bias_seq_offsets is not None:\n"
+        "        assert qq_bias is not None and qq_bias.stride(-1) == 1, (\n"
+        '            "qq_bias_seq_offsets needs a qq_bias with contiguous rows"\n'
+        "        )\n"
+        "    if kv_quant_mode == KVQuantMode.INT4_PER_TOKEN_HEAD:\n"
+        "        assert qq_bias_seq_offsets is None, (\n"
+        '            "INT4_PER_TOKEN_HEAD does not support per-sequence qq_bias"\n'
+        "        )\n"
+        "        assert use_causal and not use_per_seq_causal, (\n",
+    ),
+    (
+        _UA,
+        "        qq_bias_ptr=qq_bias,\n        k_scale_cache_ptr=k_scale_ptr,\n",
+        "        qq_bias_ptr=qq_bias,\n"
+        "        qq_bias_seq_offsets_ptr=qq_bias_seq_offsets,\n"
+        "        k_scale_cache_ptr=k_scale_ptr,\n",
+    ),
+    (
+        _UA,
+        "        qq_bias_stride_0=qq_bias.stride(0) if use_qq_bias else 0,\n",
+        "        qq_bias_stride_0=qq_bias.stride(-2) if use_qq_bias else 0,\n",
+    ),
+    (
+        _UA,
+        "        USE_QQ_BIAS=use_qq_bias,\n",
+        "        USE_QQ_BIAS=use_qq_bias,\n"
+        "        USE_QQ_BIAS_PER_SEQ=qq_bias_seq_offsets is not None,\n",
+    ),
+    (
+        _TA,
+        "    rswa_prefix_lens: torch.Tensor | None = None\n"
+        "    rswa_window: int | None = None\n",
+        "    rswa_prefix_lens: torch.Tensor | None = None\n"
+        "    rswa_window: int | None = None\n"
+        "    # Optional per-sequence query-query bias (see unified_attention), e.g.\n"
+        "    # the ancestor masks of DDTree's draft trees.\n"
+        "    qq_bias: torch.Tensor | None = None\n"
+        "    qq_bias_seq_offsets: torch.Tensor | None = None\n",
+    ),
+    (
+        _TA,
+        "            mm_prefix_range=mm_prefix_range_tensor,\n"
+        "            rswa_prefix_lens=attn_metadata.rswa_prefix_lens,\n",
+        "            mm_prefix_range=mm_prefix_range_tensor,\n"
+        "            qq_bias=attn_metadata.qq_bias,\n"
+        "            qq_bias_seq_offsets=attn_metadata.qq_bias_seq_offsets,\n"
+        "            rswa_prefix_lens=attn_metadata.rswa_prefix_lens,\n",
+    ),
+]
+
+
+def apply_attn_edits(files: dict) -> dict:
+    """``ATTN_EDITS`` applied to the files of ``{path: text}`` (for tests of the
+    edited kernel)."""
+    out = dict(files)
+    for path, old, new in ATTN_EDITS:
+        if path in out:
+            out[path] = _edit(out[path], path, old, new)
+    return out
+
+
+def attn_edits(tree: Path) -> None:
+    for path, old, new in ATTN_EDITS:
+        file = tree / path
+        file.write_text(_edit(file.read_text(), path, old, new))
+
+
 def gdn_edits(tree: Path) -> None:
     for path, old, new in GDN_EDITS:
         file = tree / path
@@ -855,6 +995,7 @@ EDITED_FILES = sorted(
     | {e[0] for e in REQUEST_EDITS}
     | {e[0] for e in STRUCTURED_EDITS}
     | {e[0] for e in GDN_EDITS}
+    | {e[0] for e in ATTN_EDITS}
     | {e[0] for e in CONFIG_EDITS}
     | {RUNNER}
 )
@@ -1063,6 +1204,29 @@ template instantiation, and the host file against torch 2.13's stable-ABI
 headers), and the kernel logic run on CPU by compiling the header with g++
 against a small CUDA emulation (threads, barriers, warp shuffles) and
 comparing with the torch reference. Not yet run on a GPU.
+""",
+    "attention": """[Kernel] Triton unified attention: per-sequence query-query bias
+
+`unified_attention` takes `qq_bias`, one bias over the query-query block
+that every sequence adds (the hook of static-tree speculation). DDTree drafts
+a different tree per request, so tree attention needs a bias per sequence.
+New optional `qq_bias_seq_offsets` ([num_seqs] int32 element offsets into
+`qq_bias`): sequence i adds the [Q, Q] bias at its offset, or none at -1
+(prefill chunks and plain decodes of the same batch). Padding rows of a
+query block read the sequence's last bias row, so no load leaves the
+sequence's bias. Without the new argument the kernel is unchanged (a
+constexpr branch). `TritonAttentionMetadata` gains optional `qq_bias` and
+`qq_bias_seq_offsets`, passed through by `TritonAttentionImpl.forward`.
+
+With it, a DDTree verify forward attends ancestor-only inside the batch's
+own attention call (split over KV as the kernel chooses, any head size the
+kernel takes); the next commit fills the fields for full-attention layer
+groups.
+
+Tested on CPU: the kernel runs under TRITON_INTERPRET=1 against a float64
+oracle on mixed batches (prefill, plain decode, tree requests), GQA, a head
+size of 80, sinks and softcap, over KV caches allocated by vLLM's
+`create_kv_cache_views` in every `KVCacheLayout`. Not yet run on a GPU.
 """,
     "integration": """[Spec Decode] DDTree (2/2): "method": "ddtree" for DFlash
 
@@ -1309,6 +1473,9 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         clang_format(tree, new + ["csrc/ops.h", "csrc/torch_bindings.cpp"], sdist)
         commit(tree, MESSAGES["kernel"])
 
+        attn_edits(tree)
+        commit(tree, MESSAGES["attention"])
+
         new = copy_files(tree, ADAPTER_FILES)
         request_edits(tree)
         structured_edits(tree)
@@ -1334,7 +1501,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
             "--cover-letter",
             "-o",
             str(out_dir),
-            "HEAD~5",
+            "HEAD~6",
         )
         cover = next(out_dir.glob("0000-*.patch"))
         subject, _, body = COVER.partition("\n\n")

