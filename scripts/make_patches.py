@@ -1215,7 +1215,9 @@ New optional `qq_bias_seq_offsets` ([num_seqs] int32 element offsets into
 (prefill chunks and plain decodes of the same batch). Padding rows of a
 query block read the sequence's last bias row, so no load leaves the
 sequence's bias. Without the new argument the kernel is unchanged (a
-constexpr branch). `TritonAttentionMetadata` gains optional `qq_bias` and
+constexpr branch). `load_qq_bias_tile` tests its key range with `&` instead
+of `and`: the same compiled, and elementwise under TRITON_INTERPRET=1, where
+`and` is Python's and dropped the lower bound (biasing prefix keys). `TritonAttentionMetadata` gains optional `qq_bias` and
 `qq_bias_seq_offsets`, passed through by `TritonAttentionImpl.forward`.
 
 With it, a DDTree verify forward attends ancestor-only inside the batch's
@@ -1260,9 +1262,12 @@ for the next DFlash round (`propose_draft_token_ids`), the drafter's block
 query (`_input_fits_in_drafter`), finished requests' trees
 (`_update_states`) and the auto budget's step timing and cost profile. The
 verifier registers a tree-aware attention backend before the model is built:
-CPU_ATTN on CPU, TRITON_ATTN on CUDA (the stock kernel for the batch, then the
-tree rows recomputed over the paged cache by the Triton tree-attention kernel,
-and the accepted K/V moved in the cache). The CUDA path has not run on a GPU
+CPU_ATTN on CPU, TRITON_ATTN on CUDA (full-attention layer groups: the trees
+as the kernel's per-sequence query-query bias, so the batch's own attention
+call is the tree attention; sliding-window groups, whose window the kernel
+counts by linear row and not by node depth: the stock call, then the tree rows
+recomputed over the paged cache by the Triton tree-attention kernel; the
+accepted K/V moved in the cache, one launch per KV-cache group). The CUDA path has not run on a GPU
 yet: ddtree starts on CUDA only with VLLM_DDTREE_UNVALIDATED_GPU=1, and then
 in eager mode with TRITON_ATTN (set by the start-up check); every other GPU
 platform is refused.

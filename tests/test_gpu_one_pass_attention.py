@@ -391,3 +391,18 @@ def test_commit_moves_each_kv_cache_group_by_its_own_slots():
             want = by_slot.view(NUM_BLOCKS, BLOCK, HKV, -1).transpose(1, 2)
             assert torch.equal(cache, want)
             assert not torch.equal(cache, old)
+
+
+def test_one_pass_layers_take_any_head_size(per_sequence_bias):
+    """The power-of-two head size is the recompute kernel's need only."""
+    from _attn_utils import model_with
+
+    def impl(window):
+        return gpu_attention.DDTreeTritonAttentionImpl(
+            H, D, D**-0.5, HKV, alibi_slopes=None, sliding_window=window,
+            kv_cache_dtype="auto",
+        )
+
+    attn_context.check_model_tree_attention(model_with(impl(None)))  # D = 80
+    with pytest.raises(ValueError, match="head size 80"):
+        attn_context.check_model_tree_attention(model_with(impl(8)))

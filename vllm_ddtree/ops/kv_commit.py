@@ -9,9 +9,15 @@ node ``p_j`` moves to depth ``j`` in every attention layer.
 rows to cache *slots* with the block table (vLLM's ``slot_mapping`` convention:
 ``slot = block_id * block_size + block_offset``).
 
-Layout (vLLM's FlashAttention backend), per layer::
+Layout, per layer: any strided view ::
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]  # K, V
+
+TRITON_ATTN in vLLM 0.32 allocates ``[num_blocks, num_kv_heads, block_size,
+2 * head_dim]`` per layer (logical order; the physical strides follow the
+engine's ``KVCacheLayout``, and unquantized caches have no scale padding);
+``vllm_adapter.gpu_attention.paged_kv_view`` gives that cache as this view
+without a copy. The kernel reads every stride.
 
 Semantics: for every layer, K and V at ``dst_slots[i]`` become what was at
 ``src_slots[i]`` *before* any write (gather-then-scatter); moves with
