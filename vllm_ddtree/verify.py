@@ -298,7 +298,7 @@ def verify_tree_torch(
         accepted[:, depth] = torch.where(advance, child, -1)
         cur = torch.where(advance, child, cur)
         active = advance
-        if is_cpu and not bool(active.any()):
+        if is_cpu and not bool(active.any()):  # CPU only
             break
 
     num_accepted = (accepted[:, 1:] >= 0).sum(dim=1)

@@ -282,9 +282,10 @@ class TreeAttentionBatch:
         )
         if commit_all is not None:
             return commit_all(self, moves, row_space)
+        # The CPU attention's stashes: moves on the host.
         src, dst = moves
-        src = torch.as_tensor(src, dtype=torch.int64).reshape(-1).cpu()
-        dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1).cpu()
+        src = torch.as_tensor(src, dtype=torch.int64).reshape(-1).cpu()  # CPU only
+        dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1).cpu()  # CPU only
         if src.shape != dst.shape:
             raise ValueError(
                 "src_rows and dst_rows differ in length: "
@@ -314,7 +315,8 @@ class TreeAttentionBatch:
 
     def _batch_to_tree_rows(self, rows: torch.Tensor) -> torch.Tensor:
         batch_rows = next(iter(self.stash.values())).batch_rows
-        lookup = torch.full((int(batch_rows.max()) + 1,), -1, dtype=torch.int64)
+        size = int(batch_rows.max()) + 1  # CPU only
+        lookup = torch.full((size,), -1, dtype=torch.int64)
         lookup[batch_rows] = torch.arange(batch_rows.numel())
         if int(rows.min()) < 0 or int(rows.max()) >= lookup.numel():
             raise IndexError("commit_kv: a batch row is not a tree row")

@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from vllm.utils import torch_utils
 
 from vllm_ddtree.budget import (
     AcceptanceCalibration,
@@ -394,10 +395,14 @@ class BudgetController:
         rows = num_reqs + np.arange(values.numel() + 1)
         verify = self.tree_step_seconds(rows, num_reqs)
         verify[0] = plain_target  # k = 0: no tree
-        counts, drafting = allocate_nodes(values, torch.from_numpy(verify + full))
-        skip_counts, skipping = allocate_nodes(
-            values, torch.from_numpy(verify + context)
+        # Both step-time curves to the device in one pinned, non-blocking copy.
+        curves = torch_utils.async_tensor_h2d(
+            np.stack([verify + full, verify + context]),
+            device=values.device,
+            dtype=torch.float32,
         )
+        counts, drafting = allocate_nodes(values, curves[0])
+        skip_counts, skipping = allocate_nodes(values, curves[1])
         # [s] a step without drafts: plain target step + context-only pass.
         plain_step = plain_target + context
         plain = num_reqs / plain_step

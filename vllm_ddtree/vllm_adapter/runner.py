@@ -48,6 +48,7 @@ import time
 
 import torch
 from vllm.logger import init_logger
+from vllm.utils import torch_utils
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.commit import CommitPlan, plan_commit
@@ -228,8 +229,14 @@ class DDTreeVerifier:
             # all this is a plain decode step (one row per request, no tree).
             return
         starts = [query_start[b + 1] - n - 1 for b, n in enumerate(num_drafts)]
-        input_ids = runner.input_ids.gpu[:total]
-        roots = input_ids[torch.tensor(starts, device=input_ids.device)].tolist()
+        # Host facts, no device read: the step's input ids are gathered on the
+        # host (ddtree runs without async scheduling), and a row's linear
+        # position is its request's computed tokens + its offset in the query.
+        roots = runner.input_ids.cpu[starts].tolist()
+        computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+        root_positions = [
+            int(computed[b]) + starts[b] - query_start[b] for b in range(num_reqs)
+        ]
         step = build_step_trees(
             req_ids,
             scheduled,
@@ -239,21 +246,25 @@ class DDTreeVerifier:
             runner.positions.device,
         )
 
-        # RoPE positions of tree rows: root position + depth (slots stay linear).
+        # RoPE positions of tree rows: root position + depth (slots stay linear);
+        # rows and positions from the host tree, one pinned copy.
         linear = runner.positions[:total].clone()
-        tree = step.tree
-        offsets = torch.arange(tree.num_rows, device=linear.device)
-        counts = torch.tensor(num_drafts, device=linear.device)
-        real = offsets.unsqueeze(0) <= counts.unsqueeze(1)
-        rows = (step.block_starts.unsqueeze(1) + offsets.unsqueeze(0))[real]
-        root_pos = linear[step.block_starts]
-        runner.positions[rows] = (root_pos.unsqueeze(1) + tree.depths)[real]
+        depths = step.host_tree.depths.numpy()
+        rows = [starts[b] + i for b in range(num_reqs) for i in range(num_drafts[b] + 1)]
+        values = [
+            root_positions[b] + int(depths[b, i])
+            for b in range(num_reqs)
+            for i in range(num_drafts[b] + 1)
+        ]
+        update = torch_utils.async_tensor_h2d(
+            [rows, values], device=linear.device, dtype=torch.int64
+        )
+        runner.positions[update[0]] = update[1].to(runner.positions.dtype)
 
         # Root-only blocks attend as the stock kernel does: only real trees are listed.
         tree_reqs = [b for b in range(num_reqs) if num_drafts[b] > 0]
-        root_positions = root_pos.tolist()
         self._attn = attn_context.TreeAttentionBatch.from_tree(
-            tree,
+            step.host_tree,
             tree_rows=tree_reqs,
             req_indices=tree_reqs,
             row_offsets=[starts[b] - query_start[b] for b in tree_reqs],
@@ -340,18 +351,14 @@ class DDTreeVerifier:
                 logprobs_tensors=logprobs,
             )
 
-        device = logits.device
-        tree = step.tree.to(device)
         # logits: per request its n_r + 1 verify rows, request-major.
-        counts = torch.tensor(step.num_drafts, device=device) + 1
-        first = torch.cumsum(counts, 0) - counts
-        offsets = torch.arange(tree.num_rows, device=device).unsqueeze(0)
-        index = first.unsqueeze(1) + torch.minimum(offsets, (counts - 1).unsqueeze(1))
-        out, logprobs = _verify_batch(self, tree, index, logits, extras, step)
+        out, logprobs = _verify_batch(
+            self, step.tree, step.logit_rows, logits, extras, step
+        )
         if self.budget is not None:
             _calibrate(self, step, out)
         total = int(self._linear_positions.shape[0])
-        plan = plan_commit(out.accepted_indices, step.block_starts.to(device), total)
+        plan = plan_commit(out.accepted_indices, step.block_starts, total)
         if self._attn.requests:
             self._attn.commit_kv((plan.src_rows, plan.dst_rows), row_space="batch")
             self._attn.commit_recurrent(
@@ -474,8 +481,9 @@ def _committed_rows(step: StepTrees, plan: CommitPlan) -> torch.Tensor:
     first in the block); no host sync."""
     device = plan.num_committed.device
     num_rows = plan.hidden_perm.shape[0]
-    starts = step.block_starts.to(device)
-    sizes = torch.tensor(step.num_drafts, device=device) + 1  # [R] block rows
+    starts = step.block_starts
+    # [R] block rows: each request's last logits row + 1 - its first.
+    sizes = step.logit_rows[:, -1] - step.logit_rows[:, 0] + 1
     offsets = torch.arange(max(step.num_drafts) + 1, device=device)
     rejected = (offsets >= plan.num_committed.unsqueeze(1)) & (
         offsets < sizes.unsqueeze(1)
@@ -507,7 +515,7 @@ def _sampling_params(
         top_p=None if metadata.top_p is None else metadata.top_p[:num_reqs].float(),
         min_p=None
         if min_p is None
-        else torch.tensor(min_p, dtype=torch.float32, device=device),
+        else torch_utils.async_tensor_h2d(min_p, device=device, dtype=torch.float32),
     )
 
 
@@ -619,8 +627,12 @@ def _apply_constraints(
     num_reqs, _, vocab = target.shape
     device = target.device
     for b, bias in extras.logit_bias:
-        ids = torch.tensor([int(t) for t in bias], dtype=torch.int64, device=device)
-        vals = torch.tensor(list(bias.values()), dtype=target.dtype, device=device)
+        ids = torch_utils.async_tensor_h2d(
+            [int(t) for t in bias], device=device, dtype=torch.int64
+        )
+        vals = torch_utils.async_tensor_h2d(
+            list(bias.values()), device=device, dtype=target.dtype
+        )
         target[b, :, ids] += vals
     mask = metadata.allowed_token_ids_mask
     if mask is not None:
@@ -629,8 +641,8 @@ def _apply_constraints(
         remaining = min_tokens - len(output)
         if b >= num_reqs or remaining <= 0 or not stops:
             continue
-        ids = torch.tensor(
-            sorted(t for t in stops if 0 <= t < vocab), dtype=torch.int64, device=device
+        ids = torch_utils.async_tensor_h2d(
+            sorted(t for t in stops if 0 <= t < vocab), device=device, dtype=torch.int64
         )
         kept = target[b][:, ids]  # [rows, S] (a copy)
         masked = torch.where((depths[b] < remaining).unsqueeze(1), float("-inf"), kept)
@@ -661,7 +673,7 @@ def _apply_history_edits(runner, target, metadata, rows: list[int], step) -> Non
                 node_logits, dict.fromkeys(range(num_rows), bad_words), histories
             )
         if not metadata.no_penalties:
-            one = torch.tensor([b], device=target.device).expand(num_rows)
+            one = torch.full((num_rows,), b, dtype=torch.int64, device=target.device)
             # vLLM edits in place and returns the logits; copy only if it did not.
             penalised = apply_all_penalties(
                 node_logits,
@@ -746,12 +758,11 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
             verified[b, 1 : n + 1] = True
     if bool(verified.any()):
         device = tree.depths.device
-        verified = verified.to(device)
+        probs = torch_utils.async_tensor_h2d(probs, device=device)
+        verified = torch_utils.async_tensor_h2d(verified, device=device)
         # Requests verified as a chain (no stored probabilities) count nowhere.
         accepted = torch.where(verified.any(dim=1), out.num_accepted, 0)
-        verifier.budget.calibration.update(
-            probs.to(device), tree.depths, verified, accepted
-        )
+        verifier.budget.calibration.update(probs, tree.depths, verified, accepted)
 
 
 _ROOT_TREES: dict[tuple[int, str], object] = {}
@@ -826,11 +837,11 @@ def _seeded_coins(extras: _BatchExtras, tree, device):
     counters = np.concatenate(
         [2 * (out_lens + np.arange(width)[None, :]), 2 * out_lens + 1], axis=1
     )
-    seeded = torch.from_numpy(counter_uniforms(extras.seeds, counters)).to(device)
+    seeded = torch_utils.async_tensor_h2d(counter_uniforms(extras.seeds, counters), device=device)
     coins = torch.rand(num_reqs, rows + 1, device=device)
     node_coins = coins[:, :rows].contiguous()
     final_coins = coins[:, rows].contiguous()
-    idx = torch.tensor(extras.seeded_rows, dtype=torch.int64, device=device)
+    idx = torch_utils.async_tensor_h2d(extras.seeded_rows, device=device, dtype=torch.int64)
     depths = tree.depths[idx].clamp(max=width - 1)
     node_coins[idx] = seeded[:, :width].gather(1, depths)
     final_coins[idx] = seeded[:, width]

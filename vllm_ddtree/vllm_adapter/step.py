@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.utils import torch_utils
 
 from vllm_ddtree.tree import DraftTree, tree_from_parents
 from vllm_ddtree.vllm_adapter.structured_output import chain_parents, draft_parents
 
-__all__ = ["TreeStash", "StepTrees", "build_step_trees"]
+__all__ = ["TreeStash", "StepTrees", "build_step_trees", "tree_to_device"]
 
 logger = init_logger(__name__)
 
@@ -44,11 +46,18 @@ class TreeStash:
         """Stores the batch's trees; returns each request's real node tokens
         (node order), the drafts the scheduler gets: padding rows of a tree with
         fewer than B nodes are never verified."""
-        # One device->host copy per step for the whole batch.
-        tokens = tree.tokens.cpu().tolist()
-        parents = tree.parents.cpu().tolist()
-        counts = tree.num_nodes.cpu().tolist()
-        probs = tree.scores.exp().cpu().tolist() if self.keep_path_probs else None
+        # One device->host copy per step for the whole batch: tokens, parents,
+        # node counts (and path probabilities) as one float64 tensor (exact for
+        # token ids < 2**53 and for float32 probabilities).
+        rows = tree.tokens.shape[1]
+        parts = [tree.tokens, tree.parents, tree.num_nodes.unsqueeze(1)]
+        if self.keep_path_probs:
+            parts.append(tree.scores.exp())
+        host = torch.cat([x.double() for x in parts], dim=1).cpu()
+        tokens = host[:, :rows].long().tolist()
+        parents = host[:, rows : 2 * rows].long().tolist()
+        counts = host[:, 2 * rows].long().tolist()
+        probs = host[:, 2 * rows + 1 :].float().tolist() if self.keep_path_probs else None
         drafts = []
         for b, req_id in enumerate(req_ids):
             n = counts[b]
@@ -106,16 +115,27 @@ class TreeStash:
 
 @dataclass
 class StepTrees:
-    """The trees verified in one step, for every request of the batch."""
+    """The trees verified in one step, for every request of the batch.
 
-    tree: DraftTree  # rows padded to the longest block of the step
-    # [R] flat row of each request's root in the step's token layout.
+    Built on the host from host data (the scheduled drafts, the stash, vLLM's
+    host-side query layout); ``tree``, ``block_starts`` and ``logit_rows`` are
+    copied to the device once, pinned and non-blocking: no host sync.
+    """
+
+    tree: DraftTree  # on the device; rows padded to the longest block of the step
+    host_tree: DraftTree  # the same tree on the host
+    # [R] flat row of each request's root in the step's token layout (device).
     block_starts: torch.Tensor
+    # [R, T] the verify row (logits row) of every tree row: padding rows repeat
+    # their block's last real row (device).
+    logit_rows: torch.Tensor
     # Per request: draft tokens scheduled (tree rows 1..n_r are real).
     num_drafts: list[int]
     # Per request, host lists: parents (root first, -1) and tokens (root first).
     parents: list[list[int]]
     tokens: list[list[int]]
+    # Per request, the root's flat row (host).
+    block_starts_host: list[int]
 
     def path_tokens(self, b: int) -> list[list[int]]:
         """Request ``b``'s draft tokens on the path root..i (root excluded), for
@@ -161,14 +181,34 @@ def build_step_trees(
         num_drafts.append(n)
         starts.append(query_end[b] - n - 1)
     depth = _max_depth(parents)
-    tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1), device=device)
+    host_tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1))
+    rows = host_tree.num_rows
+    # Verify rows: each request's n_r + 1 rows, request after request.
+    sizes = np.asarray(num_drafts, dtype=np.int64) + 1
+    first = np.cumsum(sizes) - sizes
+    logit_rows = first[:, None] + np.minimum(np.arange(rows)[None, :], sizes[:, None] - 1)
     return StepTrees(
-        tree,
-        torch.tensor(starts, dtype=torch.int64, device=device),
-        num_drafts,
-        parents,
-        tokens,
+        tree=tree_to_device(host_tree, device),
+        host_tree=host_tree,
+        block_starts=torch_utils.async_tensor_h2d(starts, device=device, dtype=torch.int64),
+        logit_rows=torch_utils.async_tensor_h2d(
+            torch.from_numpy(logit_rows), device=device, dtype=torch.int64
+        ),
+        num_drafts=num_drafts,
+        parents=parents,
+        tokens=tokens,
+        block_starts_host=starts,
     )
+
+
+def tree_to_device(tree: DraftTree, device: torch.device) -> DraftTree:
+    """A host tree on ``device``: pinned, non-blocking copies (no host sync)."""
+    fields = {
+        name: torch_utils.async_tensor_h2d(getattr(tree, name), device=device)
+        for name in tree.__dataclass_fields__
+        if name != "max_depth"
+    }
+    return DraftTree(max_depth=tree.max_depth, **fields)
 
 
 def _max_depth(parents: list[list[int]]) -> int:
