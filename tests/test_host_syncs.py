@@ -113,6 +113,7 @@ def count_step_syncs(target, drafter, budget_mode, monkeypatch):
         # Keep drafting whatever this machine's timings say (the counted steps
         # are drafted ones; the counter slows every step).
         runner.ddtree.budget.max_loss = 1.0
+        runner.ddtree.budget.min_gain = -1.0
     steps: list[tuple[bool, collections.Counter, collections.Counter]] = []
     counter = HostSyncCounter(host, pinned)
     state = {"tree": False, "mark": (collections.Counter(), collections.Counter())}
