@@ -201,9 +201,11 @@ class HostSyncCounter(TorchFunctionMode):
                     self._host.pop(id(t), None)
             elif not device_inputs:
                 self._mark_host(out)  # a dtype change on the host
-        elif func in (torch.Tensor.cpu, torch.Tensor.numpy):
-            self._mark_host(out)
-        elif inputs and not device_inputs:
+        elif (
+            func in (torch.Tensor.cpu, torch.Tensor.numpy)
+            or inputs
+            and not device_inputs
+        ):
             self._mark_host(out)
         return out
 

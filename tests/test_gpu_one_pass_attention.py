@@ -257,7 +257,9 @@ def test_one_pass_equals_the_oracle_in_every_kv_layout(
 
 
 @pytest.mark.parametrize("features", ["sinks", "softcap"])
-def test_one_pass_with_sinks_and_softcap(unified_attention, per_sequence_bias, features):
+def test_one_pass_with_sinks_and_softcap(
+    unified_attention, per_sequence_bias, features
+):
     batch = Batch(seed=2)
     cache = vllm_kv_caches(KVCacheLayout.LBHNC, num_layers=1, seed=3)[0]
     metadata = builder_for(FULL_SPEC).with_tree(batch.metadata, batch.tree_batch())
@@ -268,7 +270,9 @@ def test_one_pass_with_sinks_and_softcap(unified_attention, per_sequence_bias, f
     assert (want - batch.oracle(cache)).abs().max() > 0.05  # the feature matters
 
 
-def test_without_the_bias_tree_rows_would_be_causal(unified_attention, per_sequence_bias):
+def test_without_the_bias_tree_rows_would_be_causal(
+    unified_attention, per_sequence_bias
+):
     """The oracle sees the masks: the stock call (no bias) is wrong exactly on
     the tree rows whose ancestors are not all the rows before them."""
     batch = Batch()
@@ -287,11 +291,17 @@ def test_windowed_groups_get_no_bias(per_sequence_bias):
     groups keep the recompute path."""
     batch = Batch()
     window = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32,
+        block_size=BLOCK,
+        num_kv_heads=HKV,
+        head_size=D,
+        dtype=torch.float32,
         sliding_window=8,
     )
     windowed_full = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32,
+        block_size=BLOCK,
+        num_kv_heads=HKV,
+        head_size=D,
+        dtype=torch.float32,
         sliding_window=8,
     )
     for spec in (window, windowed_full):
@@ -323,28 +333,48 @@ def test_impl_skips_the_recompute_when_the_call_had_the_bias(
     monkeypatch.setattr(triton_attn.TritonAttentionImpl, "forward", stock_forward)
     monkeypatch.setattr(gpu_attention, "tree_attention_triton", no_recompute)
     impl = gpu_attention.DDTreeTritonAttentionImpl(
-        H, D, D**-0.5, HKV, alibi_slopes=None, sliding_window=None,
+        H,
+        D,
+        D**-0.5,
+        HKV,
+        alibi_slopes=None,
+        sliding_window=None,
         kv_cache_dtype="auto",
     )
     tree_batch = batch.tree_batch()
     metadata = builder_for(FULL_SPEC).with_tree(batch.metadata, tree_batch)
     output = torch.zeros(batch.num_tokens, H * D)
     impl.forward(
-        SimpleNamespace(layer_name="l0"), batch.query.view(-1, H * D), None, None,
-        cache, metadata, output,
+        SimpleNamespace(layer_name="l0"),
+        batch.query.view(-1, H * D),
+        None,
+        None,
+        cache,
+        metadata,
+        output,
     )
     want = batch.oracle(cache).view(batch.num_tokens, -1)
     torch.testing.assert_close(output.double(), want, atol=2e-5, rtol=0)
     assert list(tree_batch.stash) == ["l0"]
     # A windowed layer never runs one-pass: the assertion names the mismatch.
     windowed = gpu_attention.DDTreeTritonAttentionImpl(
-        H, D, D**-0.5, HKV, alibi_slopes=None, sliding_window=8,
+        H,
+        D,
+        D**-0.5,
+        HKV,
+        alibi_slopes=None,
+        sliding_window=8,
         kv_cache_dtype="auto",
     )
     with pytest.raises(AssertionError, match="windowed layer"):
         windowed.forward(
-            SimpleNamespace(layer_name="l1"), batch.query.view(-1, H * D), None,
-            None, cache, metadata, output,
+            SimpleNamespace(layer_name="l1"),
+            batch.query.view(-1, H * D),
+            None,
+            None,
+            cache,
+            metadata,
+            output,
         )
 
 
@@ -357,7 +387,9 @@ def test_commit_moves_each_kv_cache_group_by_its_own_slots():
     for g, layout in enumerate((KVCacheLayout.LBHNC, KVCacheLayout.BLNHC)):
         caches = vllm_kv_caches(layout, num_layers=2, seed=10 + g)
         # The second group's blocks: another permutation of the block ids.
-        table = batch.block_table if g == 0 else (batch.block_table * 5 + 3) % NUM_BLOCKS
+        table = (
+            batch.block_table if g == 0 else (batch.block_table * 5 + 3) % NUM_BLOCKS
+        )
         slots = []
         for r, q in enumerate(batch.query_lens):
             for pos in range(batch.seq_lens[r] - q, batch.seq_lens[r]):
@@ -386,7 +418,9 @@ def test_commit_moves_each_kv_cache_group_by_its_own_slots():
             want = old.clone()
             by_slot_old = old.transpose(1, 2).reshape(NUM_BLOCKS * BLOCK, -1)
             by_slot = want.transpose(1, 2).reshape(NUM_BLOCKS * BLOCK, -1).clone()
-            for s, d in zip(commit.src_rows.tolist(), commit.dst_rows.tolist(), strict=True):
+            for s, d in zip(
+                commit.src_rows.tolist(), commit.dst_rows.tolist(), strict=True
+            ):
                 by_slot[slots[d]] = by_slot_old[slots[s]]
             want = by_slot.view(NUM_BLOCKS, BLOCK, HKV, -1).transpose(1, 2)
             assert torch.equal(cache, want)
@@ -399,7 +433,12 @@ def test_one_pass_layers_take_any_head_size(per_sequence_bias):
 
     def impl(window):
         return gpu_attention.DDTreeTritonAttentionImpl(
-            H, D, D**-0.5, HKV, alibi_slopes=None, sliding_window=window,
+            H,
+            D,
+            D**-0.5,
+            HKV,
+            alibi_slopes=None,
+            sliding_window=window,
             kv_cache_dtype="auto",
         )
 

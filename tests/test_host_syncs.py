@@ -24,8 +24,8 @@ import importlib.util
 import linecache
 
 import pytest
-
 from _sync_utils import HostSyncCounter
+
 from vllm_ddtree import tiny_models
 from vllm_ddtree.vllm_adapter import runner as runner_module
 
@@ -158,9 +158,7 @@ def count_step_syncs(target, drafter, budget_mode, monkeypatch):
         ),
     ]
     with counter:
-        llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-        )
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         close_step()
     del llm
     return [s for s in steps if s[0]]
