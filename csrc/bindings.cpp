@@ -29,16 +29,19 @@ void ddtree_tree_verify(torch::stable::Tensor& accepted_indices,
                         const std::optional<torch::stable::Tensor>& node_coins,
                         const std::optional<torch::stable::Tensor>& final_coins,
                         int64_t max_depth, int64_t method, double threshold_single,
-                        double threshold_acc);
+                        double threshold_acc,
+                        const std::optional<torch::stable::Tensor>& row_index);
 
 STABLE_TORCH_LIBRARY(vllm_ddtree, m) {
   // Tree verification (vllm_ddtree.verify contract). Outputs are written in place;
-  // temperature = None runs the greedy-only kernel (coins may be None then).
+  // temperature = None runs the greedy-only kernel (coins may be None then);
+  // row_index [R, N + 1] reads tree rows of a [M, V] logits tensor in place.
   m.def(
       "tree_verify(Tensor(a!) accepted_indices, Tensor(b!) committed_tokens, "
       "Tensor(c!) num_accepted, Tensor logits, Tensor tokens, Tensor next_token, "
       "Tensor next_sibling, Tensor? temperature, Tensor? node_coins, Tensor? final_coins, "
-      "int max_depth, int method, float threshold_single, float threshold_acc) -> ()");
+      "int max_depth, int method, float threshold_single, float threshold_acc, "
+      "Tensor? row_index=None) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(vllm_ddtree, CUDA, m) {

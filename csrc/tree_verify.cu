@@ -12,7 +12,8 @@
 // accepted_indices: [R, W] int64     // mutable; path node ids, root first, -1 padded
 // committed_tokens: [R, W] int64     // mutable; accepted drafts + one bonus, -1 padded
 // num_accepted:     [R] int64        // mutable; accepted drafts (root, bonus excluded)
-// logits:           [R, N + 1, V] float32 / float16 / bfloat16; last dim contiguous
+// logits:           [R, N + 1, V] float32 / float16 / bfloat16, or [M, V] with
+//                   row_index (read in place); vocab dimension contiguous
 // tokens:           [R, N + 1] int64; node tokens (row 0 = root)
 // next_token:       [R, N + 1] int64; LCRS first child, -1 if none
 // next_sibling:     [R, N + 1] int64; LCRS next sibling (draft-rank order), -1 if none
@@ -22,6 +23,8 @@
 // max_depth:        L >= 0, the deepest node of the trees
 // method:           0 = sample_walk, 1 = rejection
 // threshold_single, threshold_acc: in (0, 1]; 1.0 is exact
+// row_index:        [R, N + 1] int64 or None: tree row i of request b is
+//                   logits[row_index[b, i]] (entries in [0, M), not checked here)
 //
 // Every output entry is written (padding included). The launch is asynchronous
 // on the current stream; nothing here synchronizes with the device.
@@ -81,27 +84,31 @@ cudaStream_t CurrentStream(int32_t device_index) {
 
 template <typename DType>
 cudaError_t LaunchTreeVerify(Tensor& accepted_indices, Tensor& committed_tokens,
-                             Tensor& num_accepted, const Tensor& logits, const Tensor& tokens,
-                             const Tensor& next_token, const Tensor& next_sibling,
-                             const float* temperature, const float* node_coins,
-                             const float* final_coins, int64_t max_depth, int64_t method,
-                             double threshold_single, double threshold_acc, cudaStream_t stream) {
+                             Tensor& num_accepted, const Tensor& logits,
+                             const int64_t* row_index, int64_t num_reqs, int64_t num_rows,
+                             const Tensor& tokens, const Tensor& next_token,
+                             const Tensor& next_sibling, const float* temperature,
+                             const float* node_coins, const float* final_coins,
+                             int64_t max_depth, int64_t method, double threshold_single,
+                             double threshold_acc, cudaStream_t stream) {
   ddtree::TreeVerifyParams<DType> params;
   params.accepted_indices = accepted_indices.mutable_data_ptr<int64_t>();
   params.committed_tokens = committed_tokens.mutable_data_ptr<int64_t>();
   params.num_accepted = num_accepted.mutable_data_ptr<int64_t>();
   params.logits = reinterpret_cast<const DType*>(logits.const_data_ptr());
-  params.logits_stride_req = logits.stride(0);
-  params.logits_stride_row = logits.stride(1);
+  params.row_index = row_index;
+  // [M, V] rows through row_index, else [R, N + 1, V].
+  params.logits_stride_req = row_index != nullptr ? 0 : logits.stride(0);
+  params.logits_stride_row = logits.stride(logits.dim() - 2);
   params.tokens = tokens.const_data_ptr<int64_t>();
   params.next_token = next_token.const_data_ptr<int64_t>();
   params.next_sibling = next_sibling.const_data_ptr<int64_t>();
   params.temperature = temperature;
   params.node_coins = node_coins;
   params.final_coins = final_coins;
-  params.num_reqs = static_cast<int32_t>(logits.size(0));
-  params.num_rows = static_cast<int32_t>(logits.size(1));
-  params.vocab_size = static_cast<int32_t>(logits.size(2));
+  params.num_reqs = static_cast<int32_t>(num_reqs);
+  params.num_rows = static_cast<int32_t>(num_rows);
+  params.vocab_size = static_cast<int32_t>(logits.size(logits.dim() - 1));
   params.max_depth = static_cast<int32_t>(max_depth);
   params.method = static_cast<int32_t>(method);
   params.threshold_single = threshold_single;
@@ -116,22 +123,35 @@ void ddtree_tree_verify(Tensor& accepted_indices, Tensor& committed_tokens, Tens
                         const Tensor& next_sibling, const std::optional<Tensor>& temperature,
                         const std::optional<Tensor>& node_coins,
                         const std::optional<Tensor>& final_coins, int64_t max_depth,
-                        int64_t method, double threshold_single, double threshold_acc) {
-  // logits: [R, N + 1, V], any float type the kernel reads; rows may be strided.
+                        int64_t method, double threshold_single, double threshold_acc,
+                        const std::optional<Tensor>& row_index) {
+  // logits: [R, N + 1, V], or [M, V] read through row_index [R, N + 1]; any float
+  // type the kernel reads; rows may be strided.
   STD_TORCH_CHECK(logits.is_cuda(), "Expected 'logits' to be a CUDA tensor");
-  STD_TORCH_CHECK(logits.dim() == 3, "Expected 'logits' to be a 3D tensor, got ",
+  const int64_t logits_dims = row_index.has_value() ? 2 : 3;
+  STD_TORCH_CHECK(logits.dim() == logits_dims, "Expected 'logits' to be a ", logits_dims,
+                  "D tensor", row_index.has_value() ? " (with row_index)" : "", ", got ",
                   logits.dim(), "D");
+  if (row_index.has_value()) {
+    CheckCudaContiguous(*row_index, "row_index");
+    STD_TORCH_CHECK(row_index->scalar_type() == ScalarType::Long,
+                    "Expected 'row_index' to be of type int64");
+    STD_TORCH_CHECK(row_index->dim() == 2, "Expected 'row_index' to be [R, N + 1], got shape ",
+                    ShapeString(*row_index));
+    STD_TORCH_CHECK(row_index->get_device_index() == logits.get_device_index(),
+                    "Expected 'row_index' to be on the same device as 'logits'");
+  }
   const ScalarType dtype = logits.scalar_type();
   STD_TORCH_CHECK(
       dtype == ScalarType::Float || dtype == ScalarType::Half || dtype == ScalarType::BFloat16,
       "Expected 'logits' to be of type float32, float16 or bfloat16");
-  const int64_t num_reqs = logits.size(0);
-  const int64_t num_rows = logits.size(1);
-  const int64_t vocab = logits.size(2);
+  const int64_t num_reqs = row_index.has_value() ? row_index->size(0) : logits.size(0);
+  const int64_t num_rows = row_index.has_value() ? row_index->size(1) : logits.size(1);
+  const int64_t vocab = logits.size(logits_dims - 1);
   STD_TORCH_CHECK(num_rows >= 1, "'logits' needs at least one tree row (the root), got shape ",
                   ShapeString(logits));
   STD_TORCH_CHECK(vocab >= 1, "'logits' needs vocab_size >= 1, got shape ", ShapeString(logits));
-  STD_TORCH_CHECK(logits.stride(2) == 1 || vocab == 1,
+  STD_TORCH_CHECK(logits.stride(logits_dims - 1) == 1 || vocab == 1,
                   "Expected 'logits' to be contiguous in its last (vocab) dimension");
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   STD_TORCH_CHECK(num_reqs <= kInt32Max && num_rows <= kInt32Max && vocab <= kInt32Max,
@@ -186,25 +206,29 @@ void ddtree_tree_verify(Tensor& accepted_indices, Tensor& committed_tokens, Tens
                   " tree rows per request do not fit in shared memory (at most ", max_rows,
                   " on this device)");
   const cudaStream_t stream = CurrentStream(logits.get_device_index());
+  const int64_t* row_index_ptr =
+      row_index.has_value() ? row_index->const_data_ptr<int64_t>() : nullptr;
 
   cudaError_t status = cudaSuccess;
   switch (dtype) {
     case ScalarType::Float:
       status = LaunchTreeVerify<float>(accepted_indices, committed_tokens, num_accepted, logits,
+                                       row_index_ptr, num_reqs, num_rows,
                                        tokens, next_token, next_sibling, temperature_ptr,
                                        node_coins_ptr, final_coins_ptr, max_depth, method,
                                        threshold_single, threshold_acc, stream);
       break;
     case ScalarType::Half:
       status = LaunchTreeVerify<__half>(accepted_indices, committed_tokens, num_accepted, logits,
+                                       row_index_ptr, num_reqs, num_rows,
                                         tokens, next_token, next_sibling, temperature_ptr,
                                         node_coins_ptr, final_coins_ptr, max_depth, method,
                                         threshold_single, threshold_acc, stream);
       break;
     default:  // ScalarType::BFloat16, checked above
       status = LaunchTreeVerify<__nv_bfloat16>(
-          accepted_indices, committed_tokens, num_accepted, logits, tokens, next_token,
-          next_sibling, temperature_ptr, node_coins_ptr, final_coins_ptr, max_depth, method,
+          accepted_indices, committed_tokens, num_accepted, logits, row_index_ptr, num_reqs,
+          num_rows, tokens, next_token, next_sibling, temperature_ptr, node_coins_ptr, final_coins_ptr, max_depth, method,
           threshold_single, threshold_acc, stream);
       break;
   }

@@ -88,9 +88,12 @@ struct TreeVerifyParams {
   int64_t* num_accepted;      // [R] accepted drafts (root and bonus excluded)
 
   // Inputs.
-  const DType* logits;        // [R, N + 1, V]; the last dimension must be contiguous
-  int64_t logits_stride_req;  // elements between requests
-  int64_t logits_stride_row;  // elements between tree rows
+  const DType* logits;        // [R, N + 1, V], or [M, V] with row_index; vocab contiguous
+  int64_t logits_stride_req;  // elements between requests (unused with row_index)
+  int64_t logits_stride_row;  // elements between rows
+  // [R, N + 1] contiguous, or nullptr: tree row i of request b is logits row
+  // row_index[b * (N + 1) + i], read in place (no [R, N + 1, V] gather).
+  const int64_t* row_index;
   const int64_t* tokens;        // [R, N + 1] contiguous; node tokens (row 0 = root, unused)
   const int64_t* next_token;    // [R, N + 1] contiguous; first child, -1 if none
   const int64_t* next_sibling;  // [R, N + 1] contiguous; next sibling, -1 if none
@@ -508,7 +511,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS)
 
   int64_t* accepted = params.accepted_indices + b * width;
   int64_t* committed = params.committed_tokens + b * width;
-  const DType* req_logits = params.logits + b * params.logits_stride_req;
+  const DType* req_logits =
+      params.row_index != nullptr ? params.logits : params.logits + b * params.logits_stride_req;
 
   int32_t cur = 0;
   int32_t depth = 0;
@@ -520,7 +524,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS)
   const DType* row = req_logits;
 
   for (;;) {
-    row = req_logits + static_cast<int64_t>(cur) * params.logits_stride_row;
+    const int64_t logits_row =
+        params.row_index != nullptr ? params.row_index[b * rows + cur] : static_cast<int64_t>(cur);
+    row = req_logits + logits_row * params.logits_stride_row;
     const bool can_descend = depth < max_depth;
     int32_t next = -1;
     if (greedy) {

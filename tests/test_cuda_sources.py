@@ -320,12 +320,14 @@ std::vector<char> emu_dyn_smem;
 #include "tree_verify_emu.cuh"
 using namespace ddtree;
 template <typename D, uint32_t BT>
-int run(int greedy_only, void* acc, void* com, void* num, const void* logits, long sr, long srow,
+int run(int greedy_only, void* acc, void* com, void* num, const void* logits, const void* ri,
+        long sr, long srow,
         const void* tok, const void* nt, const void* ns, const void* temp, const void* nc,
         const void* fc, int R, int rows, int V, int maxd, int method, double ts, double ta) {
   TreeVerifyParams<D> p{};
   p.accepted_indices = (int64_t*)acc; p.committed_tokens = (int64_t*)com;
   p.num_accepted = (int64_t*)num; p.logits = (const D*)logits;
+  p.row_index = (const int64_t*)ri;
   p.logits_stride_req = sr; p.logits_stride_row = srow;
   p.tokens = (const int64_t*)tok; p.next_token = (const int64_t*)nt;
   p.next_sibling = (const int64_t*)ns; p.temperature = (const float*)temp;
@@ -343,10 +345,10 @@ int run(int greedy_only, void* acc, void* com, void* num, const void* logits, lo
              : (int)LaunchTreeVerifyKernel<BT, 1, false, D>(p, nullptr);
 }
 extern "C" int emu_tree_verify(int dtype, int block, int greedy_only, void* acc, void* com,
-    void* num, const void* logits, long sr, long srow, const void* tok, const void* nt,
+    void* num, const void* logits, const void* ri, long sr, long srow, const void* tok, const void* nt,
     const void* ns, const void* temp, const void* nc, const void* fc, int R, int rows, int V,
     int maxd, int method, double ts, double ta) {
-#define ARGS greedy_only, acc, com, num, logits, sr, srow, tok, nt, ns, temp, nc, fc, R, rows, V, \
+#define ARGS greedy_only, acc, com, num, logits, ri, sr, srow, tok, nt, ns, temp, nc, fc, R, rows, V, \
              maxd, method, ts, ta
   if (block == 1024) {
     if (dtype == 0) return run<float, 1024>(ARGS);
@@ -413,7 +415,7 @@ def emulator(tmp_path_factory):
     handle = ctypes.CDLL(str(lib))
     handle.emu_tree_verify.restype = ctypes.c_int
     handle.emu_tree_verify.argtypes = (
-        [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2
+        [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_long] * 2
         + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_double] * 2
     )
     return handle
@@ -423,8 +425,14 @@ _EMU_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def run_emulated(lib, tree, logits, temperature, coins, method, ts=1.0, ta=1.0, block=64,
-                 greedy_only=False):
-    num_reqs, rows, vocab = logits.shape
+                 greedy_only=False, row_index=None):
+    if row_index is None:
+        num_reqs, rows, vocab = logits.shape
+        strides, ri = (logits.stride(0), logits.stride(1)), None
+    else:  # [M, V] logits read through row_index [R, N + 1]
+        (num_reqs, rows), vocab = row_index.shape, logits.shape[1]
+        ri = row_index.contiguous()
+        strides = (0, logits.stride(0))
     width = tree.max_depth + 1
     accepted = torch.full((num_reqs, width), -7, dtype=torch.int64)  # kernel must overwrite
     committed = torch.full((num_reqs, width), -7, dtype=torch.int64)
@@ -435,8 +443,8 @@ def run_emulated(lib, tree, logits, temperature, coins, method, ts=1.0, ta=1.0, 
     node, final = coins[0].float().contiguous(), coins[1].float().contiguous()
     rc = lib.emu_tree_verify(
         _EMU_DTYPES[logits.dtype], block, int(greedy_only), accepted.data_ptr(),
-        committed.data_ptr(), num_accepted.data_ptr(), logits.data_ptr(), logits.stride(0),
-        logits.stride(1), keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(),
+        committed.data_ptr(), num_accepted.data_ptr(), logits.data_ptr(),
+        None if ri is None else ri.data_ptr(), *strides, keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(),
         temp.data_ptr(), node.data_ptr(), final.data_ptr(), num_reqs, rows, vocab,
         tree.max_depth, METHOD_IDS[method], ts, ta)
     assert rc == 0, f"launcher returned cudaError {rc}"
@@ -514,11 +522,36 @@ def test_emulated_strided_and_processed_logits(emulator):
         emu_check(emulator, tree, view, params, coins, method, what="strided")
     topk = TreeSamplingParams(temperature=params.temperature, top_k=torch.tensor([3, 0, 5, 10]),
                               top_p=torch.tensor([0.9, 0.5, 1.0, 0.8]))
-    processed, temperature = kernel_inputs(logits, topk)
+    processed, row_index, temperature = kernel_inputs(logits, None, topk)
+    assert row_index is None
     for method in METHODS:
         ref = verify_tree_torch(tree, logits, topk, method, coins)
         out = run_emulated(emulator, tree, processed, temperature, coins, method)
         assert_same(out, ref, f"top-k/top-p method={method}")
+
+
+def test_emulated_rows_read_in_place_through_row_index(emulator):
+    """[M, V] logits (tree rows shuffled among unrelated rows, strided) read
+    through row_index give the reference's result on the gathered rows."""
+    tree, logits, params, coins = random_case(501, vocab=64)
+    num_reqs, rows, vocab = logits.shape
+    gen = torch.Generator().manual_seed(7)
+    total = num_reqs * rows + 5
+    perm = torch.randperm(total, generator=gen)[: num_reqs * rows]
+    storage = torch.randn(total, vocab + 3, generator=gen)
+    flat = storage[:, :vocab]  # row stride vocab + 3
+    flat[perm] = logits.reshape(-1, vocab)
+    row_index = perm.view(num_reqs, rows)
+    for method in METHODS:
+        ref = verify_tree_torch(tree, logits, params, method, coins)
+        out = run_emulated(emulator, tree, flat, params.temperature, coins, method,
+                           row_index=row_index)
+        assert_same(out, ref, f"row_index method={method}")
+        out = run_emulated(emulator, tree, flat, params.temperature, coins, method,
+                           row_index=row_index, greedy_only=True)
+        greedy = TreeSamplingParams.greedy(num_reqs)
+        assert_same(out, verify_tree_torch(tree, logits, greedy, method, coins),
+                    f"row_index greedy-only method={method}")
 
 
 def test_emulated_empty_tree(emulator):

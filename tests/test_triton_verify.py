@@ -191,3 +191,32 @@ def test_rejects_bad_inputs():
         run_triton(tree, logits, temps, (coins[0].double(), coins[1]), "rejection")
     with pytest.raises(ValueError, match="block_v"):
         run_triton(tree, logits, temps, coins, "rejection", block_v=12)
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_rows_read_in_place_through_row_index(filters):
+    """Tree rows scattered among unrelated rows of a strided [M, V] tensor (as
+    the target's logits of a whole batch are) read through ``row_index`` give the
+    reference's result on the [R, N + 1, V] rows, with and without top-k/top-p."""
+    tree, logits, temps, coins = make_case(9, 4, 4, 40, 12)
+    num_reqs, rows, vocab = logits.shape
+    gen = torch.Generator().manual_seed(3)
+    total = num_reqs * rows + 7
+    perm = torch.randperm(total, generator=gen)[: num_reqs * rows].to(DEVICE)
+    storage = torch.randn(total, vocab + 5, generator=gen).to(DEVICE)
+    flat = storage[:, :vocab]  # row stride vocab + 5
+    flat[perm] = logits.reshape(-1, vocab)
+    row_index = perm.view(num_reqs, rows)
+    if filters:
+        params = TreeSamplingParams.from_lists(
+            temps.tolist(), top_k=[0, 5, -1, 3], top_p=[1.0, 0.9, 0.7, 0.95],
+            device=DEVICE)
+    else:
+        params = TreeSamplingParams(temperature=temps)
+    before = flat.clone()
+    for method in ("sample_walk", "rejection"):
+        ref = verify_tree_torch(tree, logits, params, method, coins)
+        out = verify_tree(tree, flat, params, method=method, coins=coins,
+                          backend="triton", row_index=row_index)
+        assert_same((out.accepted_indices, out.committed_tokens, out.num_accepted), ref)
+    assert torch.equal(flat, before)  # the caller's logits are never edited

@@ -12,8 +12,9 @@ into the distribution it samples from in this order:
    ``<= 1 - top_p`` (the largest token always stays);
 6. ``softmax``.
 
-:func:`apply_sampling_params` reproduces steps 2-5 on any set of rows, so tree
-verification can process only the rows its walk visits. Randomness is one uniform
+:func:`apply_sampling_params` applies steps 2-5 on any set of rows (4-5 through
+vLLM's own ``apply_top_k_top_p``), so tree verification can process only the
+rows its walk visits. Randomness is one uniform
 coin per tree node plus one for the final (residual) draw, drawn by
 :func:`draw_coins` from per-request ``torch.Generator`` s when a request is seeded.
 """
@@ -24,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+try:
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+except ImportError:  # kernel checks on a machine without vLLM (scripts/gpu_check.sh)
+    apply_top_k_top_p = None
 
 __all__ = [
     "SAMPLING_EPS",
@@ -199,7 +205,8 @@ def apply_sampling_params(
         params: [M] per-row parameters (e.g. ``params.select(row_to_request)``).
 
     Returns:
-        [M, V] processed logits; removed tokens are ``-inf``. Greedy rows are only
+        [M, V] processed logits (``logits`` itself, or a new tensor when vLLM's
+        top-k/top-p makes one); removed tokens are ``-inf``. Greedy rows are only
         divided by 1 (their sample is the argmax of the raw logits).
     """
     vocab = logits.shape[-1]
@@ -215,25 +222,32 @@ def apply_sampling_params(
 
     top_k = params.top_k
     if top_k is not None:
+        # vLLM's InputBatch turns disabled top-k (-1, 0) into the vocab size.
         top_k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
-    if params.top_p is None:
-        if top_k is not None:
-            # k-th largest value; vLLM's topk(max k) path needs a host sync, a
-            # sort does not. Same threshold, same ties kept.
-            kth = logits.sort(dim=-1, descending=True).values.gather(
-                1, (top_k - 1).unsqueeze(1)
-            )
-            logits.masked_fill_(logits < kth, float("-inf"))
-        return logits
+    # vLLM's own top-k/top-p (what its rejection sampler uses): a pivot-search
+    # Triton kernel on GPU (no full-vocabulary sort, no host sync), the sort /
+    # topk reference on CPU.
+    if apply_top_k_top_p is not None:
+        return apply_top_k_top_p(logits, top_k, params.top_p)
+    return _top_k_top_p_by_sort(logits, top_k, params.top_p)
 
+
+def _top_k_top_p_by_sort(logits, top_k, top_p):
+    """vLLM's CPU semantics without vLLM: top-k keeps logits >= the k-th
+    largest (ties kept), then top-p drops the ascending prefix of cumulative
+    probability <= 1 - p (the largest token stays)."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         kth = logits_sort.gather(1, (vocab - top_k).unsqueeze(1))
         logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
-    probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
-    top_p_mask = probs_sum <= 1 - params.top_p.unsqueeze(1)
-    top_p_mask[:, -1] = False  # at least one token stays
-    logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    if top_p is not None:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        top_p_mask = probs_sum <= 1 - top_p.unsqueeze(1)
+        top_p_mask[:, -1] = False  # at least one token stays
+        logits_sort.masked_fill_(top_p_mask, float("-inf"))
     return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
 
 

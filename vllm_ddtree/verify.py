@@ -177,9 +177,9 @@ def verify_tree(
         backend: ``"auto"`` (CUDA extension > Triton > torch), or one of them.
         validate: check values (NaN/inf, coin range) too; synchronizes the device.
         row_index: [R, N + 1] int64: tree row i of request b is
-            ``target_logits[row_index[b, i]]``. The torch backend reads only the
-            rows on each walk, in place; the kernels get the rows gathered (until
-            they take a row index themselves).
+            ``target_logits[row_index[b, i]]``. Every backend reads only the rows
+            on each walk, in place (with min-p/top-k/top-p, the kernels read a
+            processed float32 copy of the tree rows instead).
 
     Returns:
         The :class:`TreeVerifyOutput`.

@@ -65,26 +65,48 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def kernel_inputs(
-    target_logits: torch.Tensor, params: TreeSamplingParams
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, temperature) for kernels that only apply temperature.
+    target_logits: torch.Tensor,
+    row_index: torch.Tensor | None,
+    params: TreeSamplingParams,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(logits, row_index, temperature) for kernels that only apply temperature.
 
-    With min-p/top-k/top-p in the batch, sampled rows are processed in torch
-    (temperature included) and passed with temperature 1; greedy rows stay raw so
-    their argmax (first maximum) is untouched.
+    Without min-p/top-k/top-p the kernels read ``target_logits`` in place. With
+    them, the tree rows are copied once to float32 (as vLLM's rejection sampler
+    does) and processed there, temperature included, by vLLM's own top-k/top-p
+    (no full-vocabulary sort on GPU); they are then passed with temperature 1.
+    Greedy requests get no filters, so their rows keep the raw argmax.
     """
     if params.top_k is None and params.top_p is None and params.min_p is None:
-        return target_logits, params.temperature
-    num_reqs, rows, vocab = target_logits.shape
+        return target_logits, row_index, params.temperature
+    vocab = target_logits.shape[-1]
+    if row_index is None:
+        num_reqs, rows = target_logits.shape[:2]
+        rows_f32 = target_logits.reshape(num_reqs * rows, vocab).float()
+        if rows_f32.data_ptr() == target_logits.data_ptr():
+            rows_f32 = rows_f32.clone()  # never edit the caller's logits
+    else:
+        num_reqs, rows = row_index.shape
+        rows_f32 = target_logits[row_index.reshape(-1)].float()  # indexing copies
+    greedy = params.is_greedy
+    row_params = TreeSamplingParams(
+        temperature=params.temperature,
+        top_k=None
+        if params.top_k is None
+        else torch.where(greedy, 0, params.top_k),
+        top_p=None
+        if params.top_p is None
+        else torch.where(greedy, 1.0, params.top_p),
+        min_p=None
+        if params.min_p is None
+        else torch.where(greedy, 0.0, params.min_p),
+    )
     row_req = torch.arange(num_reqs, device=target_logits.device).repeat_interleave(
         rows
     )
-    raw = target_logits.float().reshape(num_reqs * rows, vocab)
-    processed = apply_sampling_params(raw.clone(), params.select(row_req))
-    greedy_row = params.is_greedy[row_req].unsqueeze(1)
-    logits = torch.where(greedy_row, raw, processed).view(num_reqs, rows, vocab)
-    temperature = torch.where(params.is_greedy, 0.0, 1.0)
-    return logits, temperature
+    processed = apply_sampling_params(rows_f32, row_params.select(row_req))
+    temperature = torch.where(greedy, 0.0, 1.0)
+    return processed.view(num_reqs, rows, vocab), None, temperature
 
 
 def tree_verify_dispatch(
@@ -112,10 +134,7 @@ def tree_verify_dispatch(
             threshold_acc,
             row_index,
         )
-    if row_index is not None:
-        # [R, N + 1, V]: the kernels index rows as request x tree row for now.
-        target_logits = target_logits[row_index]
-    logits, temperature = kernel_inputs(target_logits, params)
+    logits, row_index, temperature = kernel_inputs(target_logits, row_index, params)
     if backend == "triton":
         from vllm_ddtree.ops.triton_verify import tree_verify_triton as kernel
     else:
@@ -135,5 +154,6 @@ def tree_verify_dispatch(
         METHOD_IDS[method],
         threshold_single,
         threshold_acc,
+        row_index=row_index,
     )
     return TreeVerifyOutput(accepted, committed, num_accepted)

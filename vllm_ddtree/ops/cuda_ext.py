@@ -83,6 +83,7 @@ def tree_verify_cuda(
     method: int | str,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    row_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verifies a batch of draft trees with the CUDA kernel (one block per request).
 
@@ -93,7 +94,8 @@ def tree_verify_cuda(
     Args:
         logits: [R, N + 1, V] float32 / float16 / bfloat16 target logits; row i is
             the target's next-token logits after the path root..i. Only the vocab
-            dimension must be contiguous.
+            dimension must be contiguous. With ``row_index``: [M, V], any rows
+            (e.g. the target's logits of the whole batch), read in place.
         tokens: [R, N + 1] int64 node tokens (row 0 = root, unused).
         next_token: [R, N + 1] int64 LCRS first child, -1 if none.
         next_sibling: [R, N + 1] int64 LCRS next sibling in draft-rank order, -1 if
@@ -106,6 +108,8 @@ def tree_verify_cuda(
         max_depth: L, the deepest possible node (``DraftTree.max_depth``).
         method: 0 / ``"sample_walk"`` or 1 / ``"rejection"`` for sampled requests.
         threshold_single, threshold_acc: EAGLE relaxations in (0, 1]; 1.0 is exact.
+        row_index: [R, N + 1] int64: tree row i of request b is
+            ``logits[row_index[b, i]]`` (entries are not range-checked).
 
     Returns:
         ``(accepted_indices [R, L + 1] int64`` (local node ids, root first, -1
@@ -125,11 +129,11 @@ def tree_verify_cuda(
             "build of torch and the CUDA toolkit are installed, or use "
             "backend='triton' or backend='torch'."
         )
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+    dims = 3 if row_index is None else 2
+    if not isinstance(logits, torch.Tensor) or logits.dim() != dims:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
-        raise ValueError(
-            f"logits must have shape [num_reqs, N + 1, vocab_size], got {shape}"
-        )
+        want = "[num_reqs, N + 1, vocab_size]" if dims == 3 else "[num_logits, vocab]"
+        raise ValueError(f"logits must have shape {want}, got {shape}")
     if isinstance(method, str):
         if method not in _METHODS:
             raise ValueError(
@@ -154,7 +158,7 @@ def tree_verify_cuda(
             None if t is None else t.to(device=device, dtype=torch.float32).contiguous()
         )
 
-    num_reqs = logits.shape[0]
+    num_reqs = logits.shape[0] if row_index is None else row_index.shape[0]
     width = max_depth + 1
     accepted = torch.empty((num_reqs, width), dtype=torch.int64, device=device)
     committed = torch.empty((num_reqs, width), dtype=torch.int64, device=device)
@@ -174,5 +178,6 @@ def tree_verify_cuda(
         int(method),
         float(threshold_single),
         float(threshold_acc),
+        None if row_index is None else as_long(row_index),
     )
     return accepted, committed, num_accepted

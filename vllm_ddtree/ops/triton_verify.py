@@ -4,8 +4,9 @@
 After the target model scores every row of a batch of draft trees, each request
 walks its tree from the root and decides which draft path to accept plus one
 bonus/correction token. This kernel runs one program per request and touches
-only the logits rows its walk visits (at most ``L + 1`` of the ``N + 1``), so no
-``[R, N + 1, V]`` probability buffer is ever materialized.
+only the logits rows its walk visits (at most ``L + 1`` of the ``N + 1``), read in
+place through a row index (tree row -> row of the target's logits), so neither an
+``[R, N + 1, V]`` gather nor a probability buffer is ever materialized.
 
 It reproduces :func:`vllm_ddtree.verify.verify_tree_torch` exactly
 (integer outputs), with the canonical arithmetic of
@@ -188,7 +189,8 @@ def _rejection_child(
 
 @triton.jit
 def _tree_verify_kernel(
-    logits_ptr,  # [R, N + 1, V] float32/float16/bfloat16, contiguous
+    logits_ptr,  # [M, V] float32/float16/bfloat16, vocab contiguous
+    row_index_ptr,  # [R, N + 1] int64: tree row -> row of logits
     tokens_ptr,  # [R, N + 1] int64
     first_child_ptr,  # [R, N + 1] int64, -1 = none
     next_sibling_ptr,  # [R, N + 1] int64, -1 = none
@@ -199,6 +201,7 @@ def _tree_verify_kernel(
     committed_ptr,  # [R, L + 1] int64 out
     num_accepted_ptr,  # [R] int64 out
     num_rows,  # N + 1
+    logits_row_stride,  # elements between rows of logits
     vocab,  # V
     max_depth,  # L
     ts_bits,  # threshold_single, float64 bits as int64
@@ -214,7 +217,7 @@ def _tree_verify_kernel(
     first_ptr = first_child_ptr + req_row
     sib_ptr = next_sibling_ptr + req_row
     coin_ptr = node_coins_ptr + req_row
-    req_logits = logits_ptr + req_row * vocab  # int64 offset
+    row_idx_ptr = row_index_ptr + req_row
     ts = ts_bits.to(tl.int64).to(tl.float64, bitcast=True)
     ta = ta_bits.to(tl.int64).to(tl.float64, bitcast=True)
 
@@ -230,7 +233,8 @@ def _tree_verify_kernel(
     depth = tl.full([], 0, tl.int64)
     walking = depth == 0
     while walking:  # at most L + 1 iterations: depth grows each time we descend
-        row_ptr = req_logits + cur * vocab
+        # int64 offset: the visited row is read in place, never gathered.
+        row_ptr = logits_ptr + tl.load(row_idx_ptr + cur) * logits_row_stride
         m, argmax = _row_max(row_ptr, vocab, t, BLOCK_V)
         children = tl.load(first_ptr + cur)
         first = tl.where(depth < max_depth, children, none)
@@ -330,19 +334,24 @@ def tree_verify_triton(
     threshold_single: float,
     threshold_acc: float,
     *,
+    row_index: torch.Tensor | None = None,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verifies R draft trees with one Triton program per request.
 
     Args:
         logits: [R, N + 1, V] float32/float16/bfloat16 target logits (rows already
-            min-p/top-k/top-p processed when the batch uses them).
+            min-p/top-k/top-p processed when the batch uses them); with
+            ``row_index``: [M, V], any rows with a contiguous vocab dimension (e.g.
+            the target's logits of the whole batch), read in place.
         tokens, next_token, next_sibling: [R, N + 1] int64 tree tokens and LCRS links.
         temperature: [R] float32; < 1e-5 means greedy.
         node_coins: [R, N + 1] float32; final_coins: [R] float32, uniforms in [0, 1).
         max_depth: L, the deepest possible node.
         method: 0 = sample_walk, 1 = rejection.
         threshold_single, threshold_acc: rejection relaxations (1.0 = exact).
+        row_index: [R, N + 1] int64: tree row i of request b is
+            ``logits[row_index[b, i]]`` (entries are not range-checked here).
         block_v: vocab block per loop step, a power of two (default
             ``min(1024, next_power_of_2(V))``); tests use small ones.
 
@@ -350,20 +359,37 @@ def tree_verify_triton(
         (accepted_indices [R, L + 1], committed_tokens [R, L + 1], num_accepted [R]),
         all int64, as :func:`vllm_ddtree.verify.verify_tree_torch`.
     """
-    if logits.dim() != 3 or logits.dtype not in (
+    want_dims = 3 if row_index is None else 2
+    if logits.dim() != want_dims or logits.dtype not in (
         torch.float32,
         torch.float16,
         torch.bfloat16,
     ):
+        want = "[R, N + 1, V]" if row_index is None else "[M, V]"
         raise ValueError(
-            f"logits must be [R, N + 1, V] float32/float16/bfloat16, got "
+            f"logits must be {want} float32/float16/bfloat16, got "
             f"{tuple(logits.shape)} {logits.dtype}"
         )
-    num_reqs, num_rows, vocab = logits.shape
     device = logits.device
+    if row_index is None:
+        num_reqs, num_rows, vocab = logits.shape
+        logits = logits.reshape(num_reqs * num_rows, vocab)  # a view when contiguous
+        row_index = torch.arange(
+            num_reqs * num_rows, dtype=torch.int64, device=device
+        ).view(num_reqs, num_rows)
+    else:
+        if row_index.dim() != 2:
+            raise ValueError(
+                f"row_index must be [R, N + 1], got {tuple(row_index.shape)}"
+            )
+        num_reqs, num_rows = row_index.shape
+        vocab = logits.shape[1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     if vocab < 1:
         raise ValueError("logits needs vocab_size >= 1")
     for name, x, shape, dtype in (
+        ("row_index", row_index, (num_reqs, num_rows), torch.int64),
         ("tokens", tokens, (num_reqs, num_rows), torch.int64),
         ("next_token", next_token, (num_reqs, num_rows), torch.int64),
         ("next_sibling", next_sibling, (num_reqs, num_rows), torch.int64),
@@ -398,7 +424,8 @@ def tree_verify_triton(
         return accepted, committed, num_accepted
 
     _tree_verify_kernel[(num_reqs,)](
-        logits.contiguous(),
+        logits,
+        row_index.contiguous(),
         tokens.contiguous(),
         next_token.contiguous(),
         next_sibling.contiguous(),
@@ -409,6 +436,7 @@ def tree_verify_triton(
         committed,
         num_accepted,
         num_rows,
+        logits.stride(0),
         vocab,
         max_depth,
         _f64_bits(threshold_single),
