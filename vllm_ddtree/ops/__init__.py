@@ -91,15 +91,9 @@ def kernel_inputs(
     greedy = params.is_greedy
     row_params = TreeSamplingParams(
         temperature=params.temperature,
-        top_k=None
-        if params.top_k is None
-        else torch.where(greedy, 0, params.top_k),
-        top_p=None
-        if params.top_p is None
-        else torch.where(greedy, 1.0, params.top_p),
-        min_p=None
-        if params.min_p is None
-        else torch.where(greedy, 0.0, params.min_p),
+        top_k=None if params.top_k is None else torch.where(greedy, 0, params.top_k),
+        top_p=None if params.top_p is None else torch.where(greedy, 1.0, params.top_p),
+        min_p=None if params.min_p is None else torch.where(greedy, 0.0, params.min_p),
     )
     row_req = torch.arange(num_reqs, device=target_logits.device).repeat_interleave(
         rows
