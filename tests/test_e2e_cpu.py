@@ -86,6 +86,11 @@ def generate(
         "chain_fallbacks": runner.ddtree.stash.num_chain_fallbacks
         if runner is not None
         else 0,
+        # The drafter's query rows per request (its buffers) and its block.
+        "drafter_rows": runner.drafter.max_query_tokens // runner.drafter.max_batch_size
+        if runner is not None
+        else 0,
+        "draft_len": runner.drafter.draft_len if runner is not None else 0,
     }
     del llm
     return tokens, stats
@@ -144,6 +149,10 @@ def test_large_budget_needs_room_for_the_block_only(models, reference):
     # Oracle drafts are right along the whole block: L of every L + 1 tokens.
     emitted = len(p) * MAX_TOKENS
     assert stats["accepted"] >= 0.6 * emitted, stats
+    # The drafter's buffers and warm-up hold its block (L + 1 rows per request),
+    # not the B + 1 rows of the target's verify step.
+    assert stats["draft_len"] < budget, stats
+    assert stats["drafter_rows"] == stats["draft_len"] + 1, stats
 
 
 @pytest.mark.parametrize("max_children,budget", [(None, 30), (1, 30), (2, 40)])

@@ -30,12 +30,18 @@ class DDTreeProposer(DFlashProposer):
     """DFlash drafting + DDTree construction (https://arxiv.org/abs/2604.12989)."""
 
     def __init__(self, vllm_config, device: torch.device, runner=None):
-        super().__init__(vllm_config, device, runner)
         ddtree = get_ddtree_config(vllm_config)
         assert ddtree is not None, "DDTreeProposer needs method='ddtree'"
-        self.ddtree: DDTreeConfig = ddtree
         # Drafted positions per request: the tree's maximum depth.
-        self.draft_len = min(ddtree.draft_len, ddtree.budget)
+        draft_len = min(ddtree.draft_len, ddtree.budget)
+        # DFlash sizes its query buffers and warm-up for num_speculative_tokens
+        # positions per request; the drafter runs L = draft_len of them, while
+        # num_speculative_tokens is the node budget B (the target's rows).
+        super().__init__(_with_draft_positions(vllm_config, draft_len), device, runner)
+        self.vllm_config = vllm_config
+        self.speculative_config = vllm_config.speculative_config
+        self.ddtree: DDTreeConfig = ddtree
+        self.draft_len = draft_len
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
         # False: the next pass only queues the drafter's context K/V, with no
@@ -205,3 +211,18 @@ class DDTreeProposer(DFlashProposer):
             self.model.combine_hidden_states(hidden), positions, slots
         )
         self.flush_seconds += time.perf_counter() - started
+
+
+def _with_draft_positions(vllm_config, num_positions: int):
+    """A shallow copy of ``vllm_config`` whose speculative config (also a shallow
+    copy) drafts ``num_positions`` tokens: what DFlash's buffers are sized for."""
+    import copy
+
+    spec = vllm_config.speculative_config
+    if spec.num_speculative_tokens == num_positions:
+        return vllm_config
+    spec = copy.copy(spec)
+    object.__setattr__(spec, "num_speculative_tokens", num_positions)
+    config = copy.copy(vllm_config)
+    object.__setattr__(config, "speculative_config", spec)
+    return config
