@@ -213,23 +213,23 @@ void ddtree_tree_verify(Tensor& accepted_indices, Tensor& committed_tokens, Tens
   switch (dtype) {
     case ScalarType::Float:
       status = LaunchTreeVerify<float>(accepted_indices, committed_tokens, num_accepted, logits,
-                                       row_index_ptr, num_reqs, num_rows,
-                                       tokens, next_token, next_sibling, temperature_ptr,
+                                       row_index_ptr, num_reqs, num_rows, tokens, next_token,
+                                       next_sibling, temperature_ptr,
                                        node_coins_ptr, final_coins_ptr, max_depth, method,
                                        threshold_single, threshold_acc, stream);
       break;
     case ScalarType::Half:
       status = LaunchTreeVerify<__half>(accepted_indices, committed_tokens, num_accepted, logits,
-                                       row_index_ptr, num_reqs, num_rows,
-                                        tokens, next_token, next_sibling, temperature_ptr,
+                                        row_index_ptr, num_reqs, num_rows, tokens, next_token,
+                                        next_sibling, temperature_ptr,
                                         node_coins_ptr, final_coins_ptr, max_depth, method,
                                         threshold_single, threshold_acc, stream);
       break;
     default:  // ScalarType::BFloat16, checked above
       status = LaunchTreeVerify<__nv_bfloat16>(
           accepted_indices, committed_tokens, num_accepted, logits, row_index_ptr, num_reqs,
-          num_rows, tokens, next_token, next_sibling, temperature_ptr, node_coins_ptr, final_coins_ptr, max_depth, method,
-          threshold_single, threshold_acc, stream);
+          num_rows, tokens, next_token, next_sibling, temperature_ptr, node_coins_ptr,
+          final_coins_ptr, max_depth, method, threshold_single, threshold_acc, stream);
       break;
   }
   STD_TORCH_CHECK(status == cudaSuccess, "tree_verify: kernel launch failed: ",

@@ -82,9 +82,8 @@ def kernel_inputs(
     vocab = target_logits.shape[-1]
     if row_index is None:
         num_reqs, rows = target_logits.shape[:2]
-        rows_f32 = target_logits.reshape(num_reqs * rows, vocab).float()
-        if rows_f32.data_ptr() == target_logits.data_ptr():
-            rows_f32 = rows_f32.clone()  # never edit the caller's logits
+        # copy=True: never edit the caller's logits, even when already float32.
+        rows_f32 = target_logits.reshape(-1, vocab).to(torch.float32, copy=True)
     else:
         num_reqs, rows = row_index.shape
         rows_f32 = target_logits[row_index.reshape(-1)].float()  # indexing copies

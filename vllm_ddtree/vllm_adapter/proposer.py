@@ -13,6 +13,7 @@ keeps is itself a valid tree; the structure stays in the worker
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 
@@ -216,8 +217,6 @@ class DDTreeProposer(DFlashProposer):
 def _with_draft_positions(vllm_config, num_positions: int):
     """A shallow copy of ``vllm_config`` whose speculative config (also a shallow
     copy) drafts ``num_positions`` tokens: what DFlash's buffers are sized for."""
-    import copy
-
     spec = vllm_config.speculative_config
     if spec.num_speculative_tokens == num_positions:
         return vllm_config
