@@ -8,10 +8,10 @@ Measures, on this machine's CPU:
    * after it (``top_k=`` the precomputed result), the reference heap
      ``build_ddtree_reference`` (paper's best-first heap + O(n^2) visibility loop),
      the same without its always-on NaN/inf scan of draft_logits, and
-     ``build_ddtree(..., validate=False)`` with each backend: ``vec`` = the torch
-     depth-wise build (``backend="torch"``, the GPU path) and ``cpp`` = the
-     compiled heap (``backend="cpp"``, what ``build_ddtree`` runs on CPU tensors
-     when ``vllm_ddtree._C_cpu`` is built), interleaved;
+     ``vec`` = ``build_ddtree(..., validate=False)`` (the torch depth-wise build,
+     the GPU path) and ``cpp`` = ``cpu_ext.build_ddtree_cpu(..., validate=False)``
+     (the compiled heap, what the plugin's proposer runs on CPU tensors when
+     ``vllm_ddtree._C_cpu`` is built), interleaved;
    * whole build = shared + each (summed per repeat), and a check that the
      builders return identical trees (every DraftTree tensor field torch.equal);
    * a breakdown of where each builder spends its time and a torch.profiler
@@ -55,13 +55,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from vllm_ddtree import references as ref_mod  # noqa: E402
 from vllm_ddtree import tree as tree_mod  # noqa: E402
 from vllm_ddtree.ops import cpu_ext  # noqa: E402
+from vllm_ddtree.references import build_ddtree_reference  # noqa: E402
 from vllm_ddtree.sampling import TreeSamplingParams, draw_coins  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
     DraftTree,
     build_ddtree,
-    build_ddtree_reference,
     draft_top_k,
     tree_from_parents,
 )
@@ -231,7 +232,7 @@ def draft_stats(x: torch.Tensor) -> dict:
 
 # --------------------------------------------------------------------- tree build
 
-_ORIGINAL_CHECK = tree_mod._check_draft_logits
+_ORIGINAL_CHECK = ref_mod._check_draft_logits
 
 
 def build_reference_no_scan(x: torch.Tensor, budget: int, top_k) -> DraftTree:
@@ -239,13 +240,14 @@ def build_reference_no_scan(x: torch.Tensor, budget: int, top_k) -> DraftTree:
 
     The vectorized builder is timed with ``validate=False``; this is the reference
     on the same footing (heap + visibility only). Implemented by swapping the
-    module's ``_check_draft_logits`` for one call (benchmark-local, single thread).
+    references module's ``_check_draft_logits`` for one call (benchmark-local,
+    single thread).
     """
-    tree_mod._check_draft_logits = lambda t, validate_values: _ORIGINAL_CHECK(t, False)
+    ref_mod._check_draft_logits = lambda t, validate_values: _ORIGINAL_CHECK(t, False)
     try:
         return build_ddtree_reference(x, budget, top_k=top_k)
     finally:
-        tree_mod._check_draft_logits = _ORIGINAL_CHECK
+        ref_mod._check_draft_logits = _ORIGINAL_CHECK
 
 
 
@@ -334,7 +336,7 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
     k = min(budget, vocab)
     load0 = loadavg()
     primary = thread_list[0]
-    has_cpp = cpu_ext.load() is not None
+    has_cpp = cpu_ext.available()
 
     # Warm-up at every thread count (fills _candidate_pairs' cache and the OpenMP
     # pool, first-touch allocations) + equality of the trees.
@@ -343,13 +345,12 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
         torch.set_num_threads(nt)
         tk, ws = timed(lambda: draft_top_k(x, k))
         ref, wr = timed(lambda: build_ddtree_reference(x, budget, top_k=tk))
-        vec, wv = timed(lambda: build_ddtree(x, budget, top_k=tk, validate=False,
-                                             backend="torch"))
+        vec, wv = timed(lambda: build_ddtree(x, budget, top_k=tk, validate=False))
         ref_ns, _ = timed(lambda: build_reference_no_scan(x, budget, tk))
         warm[nt] = {"shared": ws, "ref": wr, "vec": wv}
         if has_cpp:
-            cpp, warm[nt]["cpp"] = timed(lambda: build_ddtree(
-                x, budget, top_k=tk, validate=False, backend="cpp"))
+            cpp, warm[nt]["cpp"] = timed(lambda: cpu_ext.build_ddtree_cpu(
+                x, budget, top_k=tk, validate=False))
     mismatched = trees_identical(ref, vec)
     mismatched_ns = trees_identical(ref_ns, vec)
     mismatched_cpp = trees_identical(ref, cpp) if has_cpp else []
@@ -398,9 +399,9 @@ def bench_build_size(x: torch.Tensor, budget: int, repeats: int, ref_budget_s: f
                 elif which == "ref_noscan" and run_ref:
                     _, t["ref_noscan"] = timed(lambda: build_reference_no_scan(x, budget, tk))
                 elif which in ("vec", "cpp"):
-                    _, t[which] = timed(lambda: build_ddtree(
-                        x, budget, top_k=tk, validate=False,
-                        backend="torch" if which == "vec" else "cpp"))
+                    build = build_ddtree if which == "vec" else cpu_ext.build_ddtree_cpu
+                    _, t[which] = timed(
+                        lambda: build(x, budget, top_k=tk, validate=False))  # noqa: B023
             for which in ("vec", "cpp") if has_cpp else ("vec",):
                 r[f"{which}_ms"].append(t[which])
                 r[f"whole_{which}_ms"].append(t_shared + t[which])
@@ -487,10 +488,10 @@ def profile_vec(x: torch.Tensor, budget: int, top: int = 12) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     tk = draft_top_k(x, min(budget, x.shape[-1]))
-    build_ddtree(x, budget, top_k=tk, validate=False, backend="torch")
+    build_ddtree(x, budget, top_k=tk, validate=False)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            build_ddtree(x, budget, top_k=tk, validate=False, backend="torch")
+            build_ddtree(x, budget, top_k=tk, validate=False)
     rows = []
     for ev in prof.key_averages():
         rows.append({
@@ -832,7 +833,8 @@ def write_markdown(path: Path, data: dict) -> None:
              "`build_ddtree_reference(..., top_k=tk)` as called (it always scans "
              "draft_logits for NaN/inf); `ref-ns` = the same with that scan switched off "
              "(heap + visibility only, the footing of `validate=False`); `vec` = "
-             "`build_ddtree(..., top_k=tk, validate=False, backend=\"torch\")`; whole = shared + each (summed "
+             "`build_ddtree(..., top_k=tk, validate=False)`; whole = shared + each "
+             "(summed "
              "per repeat). Speedups are ratios of medians. reps = vec/ref repeats. depth = "
              "mean node depth / mean max depth of the trees. load = 1-min load average when "
              "the size started; q = timed blocks (one per repeat) at this thread count that "
@@ -845,8 +847,8 @@ def write_markdown(path: Path, data: dict) -> None:
     for nt, rows in ((threads, data["build"]), (1, data.get("build_1thread"))):
         if rows and "cpp_ms" in rows[0]["median"]:
             L.append(f"### The compiled CPU builder ({nt} thread(s))\n")
-            L.append("`cpp` = `build_ddtree(..., top_k=tk, validate=False, "
-                     "backend=\"cpp\")` (csrc/cpu/tree_build.cpp: the best-first heap "
+            L.append("`cpp` = `cpu_ext.build_ddtree_cpu(..., top_k=tk, "
+                     "validate=False)` (csrc/cpu/tree_build.cpp: the best-first heap "
                      "and the derived fields in one pass, one request after another), "
                      "timed in the same rotation as the table's columns.\n")
             L += cpp_table(rows)

@@ -249,16 +249,17 @@ TORCH_BUILD = "/torch-build"  # method-name suffix: the same spec, torch tree bu
 
 @contextlib.contextmanager
 def forced_torch_tree_builder(active: bool):
-    """build_ddtree's backend "auto" -> "torch" (instead of the compiled CPU heap)."""
-    from vllm_ddtree import tree
+    """The plugin's proposer builds with build_ddtree (the torch builder) instead of
+    the compiled CPU heap: the extension reads as unavailable."""
+    from vllm_ddtree.ops import cpu_ext
 
-    original = tree._resolve_build_backend
+    original = cpu_ext.available
     if active:
-        tree._resolve_build_backend = lambda backend, device: "torch"
+        cpu_ext.available = lambda: False
     try:
         yield
     finally:
-        tree._resolve_build_backend = original
+        cpu_ext.available = original
 
 
 class MethodEngine:
@@ -597,7 +598,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", nargs="+", default=None,
                     help="subset of nospec dflash chain ddtree-B (default: all)")
     ap.add_argument("--torch-tree-builder-too", action="store_true",
-                    help="also run every ddtree method with build_ddtree's torch backend "
+                    help="also run every ddtree method with the torch builder build_ddtree "
                          f"(method name + {TORCH_BUILD!r}) instead of the compiled CPU "
                          "builder, side by side")
     ap.add_argument("--threads", type=int, default=0)

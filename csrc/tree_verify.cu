@@ -2,9 +2,9 @@
 //
 // Host side of the DDTree tree verification kernel (tree_verify.cuh): argument
 // checks and the launch, written against libtorch's stable ABI (as vLLM's own
-// kernels are). The vllm-ddtree package registers it as
-// torch.ops.vllm_ddtree.tree_verify; vLLM with ddtree in-tree as
-// torch.ops._C.ddtree_tree_verify (csrc/torch_bindings.cpp).
+// kernels are). Two registrations use it: vLLM's as
+// torch.ops._C.ddtree_tree_verify (csrc/torch_bindings.cpp), and a standalone
+// extension's as tree_verify in its own namespace (its bindings.cpp).
 //
 // R = number of requests, N + 1 = tree rows (root + node capacity), V = vocab,
 // W = max_depth + 1.

@@ -23,7 +23,7 @@
 //    if that leaves no mass). The removed tokens are kept as a sorted list in
 //    shared memory: no [R, N, V] draft_probs scratch.
 //
-// Canonical arithmetic (vllm_ddtree/verify.py): z = x / T in float32 (IEEE
+// Canonical arithmetic (ddtree's verify.py): z = x / T in float32 (IEEE
 // division; greedy rows are not divided), m = max z, e = expf(z - m) in float32,
 // sums and prefix sums in double. An inverse-CDF draw with coin u picks the first
 // token with e > 0 whose inclusive prefix sum is > u * total (strict: a zero-mass
@@ -66,7 +66,7 @@
 
 namespace ddtree {
 
-// Method ids, as in vllm_ddtree.verify.METHOD_IDS.
+// Method ids, as in ddtree's verify.METHOD_IDS.
 enum TreeVerifyMethod : int32_t {
   kSampleWalk = 0,
   kRejection = 1,

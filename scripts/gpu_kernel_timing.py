@@ -13,8 +13,9 @@ import torch
 
 from vllm_ddtree.commit import plan_commit
 from vllm_ddtree.ops import available_backends
-from vllm_ddtree.ops.kv_commit import commit_kv_reference, commit_kv_triton
-from vllm_ddtree.ops.tree_attention import tree_attention_reference, tree_attention_triton
+from vllm_ddtree.ops.kv_commit import commit_kv_triton
+from vllm_ddtree.ops.tree_attention import tree_attention_triton
+from vllm_ddtree.references import commit_kv_reference, tree_attention_reference
 from vllm_ddtree.sampling import TreeSamplingParams, draw_coins
 from vllm_ddtree.tree import build_ddtree, draft_top_k
 from vllm_ddtree.verify import verify_tree

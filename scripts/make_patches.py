@@ -122,6 +122,7 @@ TEST_FILES = {
     "tests/test_tree_bitmask.py": f"{TESTS}/test_tree_bitmask.py",
     "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
     "tests/_law_utils.py": f"{TESTS}/law_utils.py",
+    "vllm_ddtree/references.py": f"{TESTS}/references.py",
     "tests/test_e2e_architectures.py": f"{TESTS}/test_architectures.py",
     "tests/test_gdn_state.py": f"{TESTS}/test_gdn_state.py",
     "tests/test_e2e_hybrid.py": f"{TESTS}/test_hybrid.py",
@@ -139,6 +140,7 @@ IMPORT_REWRITES = [
     ),
     ("vllm_ddtree.tiny_models", "tests.v1.spec_decode.ddtree.tiny_models"),
     ("from _law_utils import", "from tests.v1.spec_decode.ddtree.law_utils import"),
+    ("vllm_ddtree.references", "tests.v1.spec_decode.ddtree.references"),
     ("vllm_ddtree.", "vllm.v1.spec_decode.ddtree."),
 ]
 

@@ -26,7 +26,12 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     _get_attn_isa,
 )
 
-from _attn_utils import model_with  # noqa: E402
+from _attn_utils import (  # noqa: E402
+    model_with,
+    tree_batch_from_block_starts,
+    tree_block_starts,
+    unpack_prefix,
+)
 from vllm_ddtree.commit import plan_commit  # noqa: E402
 from vllm_ddtree.tree import build_ddtree, tree_from_parents  # noqa: E402
 from vllm_ddtree.vllm_adapter import attn_context  # noqa: E402
@@ -37,7 +42,6 @@ from vllm_ddtree.vllm_adapter.cpu_attention import (  # noqa: E402
     packed_layout,
     register_tree_attention_backend,
     unpack_blocks,
-    unpack_prefix,
 )
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
@@ -460,7 +464,7 @@ def test_chain_rows_keep_the_stock_kernel_output(features):
     assert torch.equal(stash.batch_rows, torch.tensor(sc.tree_rows()))
 
 
-def test_from_block_starts_matches_explicit_batch():
+def test_batch_from_block_starts_matches_explicit_batch():
     sc = Scenario(torch.float32, 32, 64, REQS, seed=3)
     # One tree row per batch request (a root-only row for the prefill chunk).
     tree_of_req = {b: k for k, b in enumerate(b for b, r in enumerate(sc.reqs) if r.budget)}
@@ -477,7 +481,7 @@ def test_from_block_starts_matches_explicit_batch():
             drafts.append(t - 1)
     step_tree = tree_from_parents(parents, tokens, max_depth=4)
     starts = [sc.qsl[b + 1] - drafts[b] - 1 for b in range(len(sc.reqs))]
-    batch = attn_context.TreeAttentionBatch.from_block_starts(
+    batch = tree_batch_from_block_starts(
         step_tree, starts, sc.metadata.query_start_loc, sc.metadata.seq_lens, drafts
     )
     want = sc.tree_batch()
@@ -555,7 +559,7 @@ def test_commit_moves_accepted_path_to_contiguous_slots():
     for k, req in enumerate(batch.requests):
         path = ancestors_or_self(sc.tree.parents[k, : req.num_rows].tolist(), req.num_rows - 1)
         accepted[k, : len(path)] = torch.tensor(path)
-    plan = plan_commit(accepted, torch.tensor(batch.tree_block_starts), batch.num_tree_rows)
+    plan = plan_commit(accepted, torch.tensor(tree_block_starts(batch)), batch.num_tree_rows)
     assert bool(plan.moved().any())
 
     before = cache.clone()
@@ -569,7 +573,7 @@ def test_commit_moves_accepted_path_to_contiguous_slots():
         k_all, v_all = unpack_prefix(cache, sc.block_table[b], nc + len(path), sc.isa)
         k_old, v_old = unpack_prefix(before, sc.block_table[b], nc, sc.isa)
         assert torch.equal(k_all[:nc], k_old) and torch.equal(v_all[:nc], v_old)
-        start = batch.tree_block_starts[k]
+        start = tree_block_starts(batch)[k]
         for j, p in enumerate(path):
             row = tree_rows[start + p]
             assert torch.equal(k_all[nc + j], sc.key[row])

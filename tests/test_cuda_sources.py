@@ -568,7 +568,7 @@ def test_emulated_empty_tree(emulator):
 
 def test_load_returns_none_without_extension(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm_ddtree._C", None)  # import raises ImportError
-    cuda_ext._clear_cache()
+    cuda_ext.load_extension.cache_clear()  # forget the cached load outcome
     try:
         assert cuda_ext.load() is None
         assert "vllm_ddtree._C" in cuda_ext.load_error()
@@ -579,7 +579,7 @@ def test_load_returns_none_without_extension(monkeypatch):
                 params.temperature, coins[0], coins[1], tree.max_depth, 1, 1.0, 1.0)
     finally:
         monkeypatch.undo()
-        cuda_ext._clear_cache()
+        cuda_ext.load_extension.cache_clear()
 
 
 def test_load_here_never_raises():

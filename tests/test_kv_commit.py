@@ -13,7 +13,8 @@ import torch
 
 from vllm_ddtree.commit import plan_commit
 from vllm_ddtree.ops import kv_commit
-from vllm_ddtree.ops.kv_commit import commit_kv_reference, commit_kv_triton
+from vllm_ddtree.ops.kv_commit import commit_kv_triton
+from vllm_ddtree.references import commit_kv_reference
 from vllm_ddtree.sampling import TreeSamplingParams
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify import verify_tree

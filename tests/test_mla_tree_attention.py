@@ -18,10 +18,8 @@ triton = pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from vllm_ddtree.ops.mla_tree_attention import (  # noqa: E402
-    mla_tree_attention_reference,
-    mla_tree_attention_triton,
-)
+from vllm_ddtree.ops.mla_tree_attention import mla_tree_attention_triton  # noqa: E402
+from vllm_ddtree.references import mla_tree_attention_reference  # noqa: E402
 from vllm_ddtree.tree import build_ddtree, pack_visibility  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"

@@ -34,10 +34,8 @@ if os.environ["TRITON_INTERPRET"] == "1" and not isinstance(
 
 import torch  # noqa: E402
 
-from vllm_ddtree.ops.tree_attention import (  # noqa: E402
-    tree_attention_reference,
-    tree_attention_triton,
-)
+from vllm_ddtree.ops.tree_attention import tree_attention_triton  # noqa: E402
+from vllm_ddtree.references import tree_attention_reference  # noqa: E402
 from vllm_ddtree.tree import (  # noqa: E402
     DraftTree,
     build_ddtree,

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tree construction: vectorized builder == reference heap == brute force.
 
-The vectorized tests run on every backend of :func:`build_ddtree` that can run on
-CPU: the torch depth-wise build and, where it is built, the compiled heap
-(csrc/cpu/tree_build.cpp; more of its tests in test_tree_build_cpp.py).
+The builder under test is the ``build`` fixture, :func:`build_ddtree`; another
+builder with its contract runs the same tests by overriding the fixture.
 """
 
 import itertools
@@ -12,12 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_ddtree.references import build_ddtree_reference
 from vllm_ddtree.tree import (
-    BUILD_BACKENDS,
     DraftTree,
-    _cpp_build_op,
     build_ddtree,
-    build_ddtree_reference,
     draft_top_k,
     pack_visibility,
 )
@@ -36,14 +33,10 @@ FIELDS = [
 ]
 
 
-# Every backend that can run here (the compiled one where it is built; see
-# test_tree_build_cpp.py for the check that it is built wherever it can be).
-BACKENDS_HERE = [b for b in BUILD_BACKENDS if b != "cpp" or _cpp_build_op()[0]]
-
-
-@pytest.fixture(params=BACKENDS_HERE)
-def backend(request) -> str:
-    return request.param
+@pytest.fixture
+def build():
+    """The builder under test."""
+    return build_ddtree
 
 
 def assert_same_tree(a: DraftTree, b: DraftTree) -> None:
@@ -85,11 +78,11 @@ CASES = [
 
 @pytest.mark.parametrize("kind", ["random", "ties", "certain", "uniform"])
 @pytest.mark.parametrize("num_reqs,depth,vocab,budget", CASES)
-def test_vectorized_equals_reference(kind, num_reqs, depth, vocab, budget, backend):
+def test_vectorized_equals_reference(kind, num_reqs, depth, vocab, budget, build):
     for seed in range(3):
         logits = random_logits(seed, num_reqs, depth, vocab, kind)
         roots = torch.arange(num_reqs) + 1
-        fast = build_ddtree(logits, budget, roots, backend=backend)
+        fast = build(logits, budget, roots)
         ref = build_ddtree_reference(logits, budget, roots.tolist())
         assert_same_tree(fast, ref)
         possible = sum(vocab**d for d in range(1, depth + 1))
@@ -98,7 +91,7 @@ def test_vectorized_equals_reference(kind, num_reqs, depth, vocab, budget, backe
         assert fast.tokens[:, 0].tolist() == roots.tolist()
 
 
-def test_random_sweep_vectorized_equals_reference(backend):
+def test_random_sweep_vectorized_equals_reference(build):
     rng = np.random.default_rng(0)
     for seed in range(150):
         num_reqs = int(rng.integers(1, 5))
@@ -108,21 +101,21 @@ def test_random_sweep_vectorized_equals_reference(backend):
         kind = ["random", "ties", "certain"][seed % 3]
         logits = random_logits(seed, num_reqs, depth, vocab, kind)
         assert_same_tree(
-            build_ddtree(logits, budget, backend=backend),
+            build(logits, budget),
             build_ddtree_reference(logits, budget),
         )
 
 
-def test_per_request_budgets(backend):
+def test_per_request_budgets(build):
     logits = random_logits(7, 4, 5, 9, "random")
     budgets = [0, 3, 17, 40]
-    fast = build_ddtree(logits, torch.tensor(budgets), max_budget=40, backend=backend)
+    fast = build(logits, torch.tensor(budgets), max_budget=40)
     ref = build_ddtree_reference(logits, budgets)
     assert_same_tree(fast, ref)
     assert fast.num_nodes.tolist() == budgets
     # Each request's tree equals the one built alone with its own budget.
     for b, budget in enumerate(budgets):
-        alone = build_ddtree(logits[b : b + 1], budget, backend=backend)
+        alone = build(logits[b : b + 1], budget)
         n = budget + 1
         assert torch.equal(fast.tokens[b, :n], alone.tokens[0])
         assert torch.equal(fast.parents[b, :n], alone.parents[0])
@@ -155,24 +148,22 @@ def tree_paths(tree: DraftTree, b: int) -> set[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("depth,vocab", [(1, 5), (2, 4), (3, 3), (4, 2)])
-def test_node_set_is_top_budget_by_brute_force(depth, vocab, backend):
+def test_node_set_is_top_budget_by_brute_force(depth, vocab, build):
     for seed in range(4):
         logits = random_logits(100 + seed, 1, depth, vocab, "random")
         possible = sum(vocab**d for d in range(1, depth + 1))
         for budget in sorted({1, 2, 5, possible // 2, possible, possible + 3}):
-            tree = build_ddtree(logits, budget, backend=backend)
+            tree = build(logits, budget)
             assert tree_paths(tree, 0) == set(brute_force_top(logits[0], budget))
 
 
 @pytest.mark.parametrize("max_children", [1, 2, 3])
-def test_max_children_limits_ranks_per_depth(max_children, backend):
+def test_max_children_limits_ranks_per_depth(max_children, build):
     """max_children=K: the top-B prefixes whose every token is in its depth's top K."""
     for seed in range(4):
         logits = random_logits(200 + seed, 2, 4, 5, "random")
         for budget in (1, 6, 30, 200):
-            fast = build_ddtree(
-                logits, budget, max_children=max_children, backend=backend
-            )
+            fast = build(logits, budget, max_children=max_children)
             assert_same_tree(
                 fast, build_ddtree_reference(logits, budget, max_children=max_children)
             )
@@ -185,22 +176,22 @@ def test_max_children_limits_ranks_per_depth(max_children, backend):
                 ][:budget]
                 assert tree_paths(fast, b) == set(want)
     # K = 1 is the argmax chain.
-    chain = build_ddtree(logits, 3, max_children=1, backend=backend)
+    chain = build(logits, 3, max_children=1)
     assert chain.parents[0].tolist() == [-1, 0, 1, 2]
     assert chain.tokens[0, 1:].tolist() == logits[0, :3].argmax(-1).tolist()
 
 
-def test_max_children_rejects_bad_values():
+def test_max_children_rejects_bad_values(build):
     logits = random_logits(0, 1, 2, 3, "random")
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_children"):
-            build_ddtree(logits, 4, max_children=bad)
+            build(logits, 4, max_children=bad)
 
 
-def test_tree_invariants(backend):
+def test_tree_invariants(build):
     logits = random_logits(3, 3, 8, 20, "ties")
     budget = 50
-    tree = build_ddtree(logits, budget, backend=backend)
+    tree = build(logits, budget)
     lp, _ = draft_top_k(logits, min(budget, 20))
     lp_full = torch.log_softmax(logits.float(), dim=-1)
     for b in range(3):
@@ -257,8 +248,8 @@ def test_packed_visibility_bits():
     assert torch.equal(unpacked, vis)
 
 
-def test_position_offsets_are_depths(backend):
-    tree = build_ddtree(random_logits(1, 2, 4, 6, "random"), 12, backend=backend)
+def test_position_offsets_are_depths(build):
+    tree = build(random_logits(1, 2, 4, 6, "random"), 12)
     assert torch.equal(tree.position_offsets, tree.depths)
     assert int(tree.depths.max()) <= 4
 
@@ -295,6 +286,6 @@ def test_position_offsets_are_depths(backend):
         ),
     ],
 )
-def test_bad_input(logits, budget, match):
+def test_bad_input(logits, budget, match, build):
     with pytest.raises(ValueError, match=match):
-        build_ddtree(logits, budget)
+        build(logits, budget)

@@ -17,11 +17,8 @@ import _gdn_utils
 import pytest
 import torch
 
-from vllm_ddtree.ops.tree_gdn import (
-    tree_causal_conv1d,
-    tree_gated_delta_rule_reference,
-    tree_gated_delta_rule_triton,
-)
+from vllm_ddtree.ops.tree_gdn import tree_causal_conv1d, tree_gated_delta_rule_triton
+from vllm_ddtree.references import tree_gated_delta_rule_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,7 +7,6 @@ Paper: https://arxiv.org/abs/2604.12989
 from vllm_ddtree.tree import (
     DraftTree,
     build_ddtree,
-    build_ddtree_reference,
     draft_top_k,
     tree_from_parents,
 )
@@ -15,7 +14,6 @@ from vllm_ddtree.tree import (
 __all__ = [
     "DraftTree",
     "build_ddtree",
-    "build_ddtree_reference",
     "draft_top_k",
     "tree_from_parents",
     "register",

@@ -10,50 +10,40 @@ depth can appear in it (Lemma 1).
 
 Total order, ties included. A node is a rank tuple ``(r_1..r_d)``; its score is
 accumulated in float32 from the root, ``s(u) = fl(s(parent) + lp[d-1, r_d])``, by
-both builders identically. Nodes are ordered by
+every builder identically. Nodes are ordered by
 
     (-score, depth, position of the parent within its depth, rank)
 
 where "position within a depth" is the node's index in this same order restricted
 to that depth. Parents precede children and rank ``r`` precedes ``r + 1``, so a
-best-first heap pops exactly this order (the reference) and the top-``B`` set is
+best-first heap pops exactly this order (the paper's builder) and the top-``B`` set is
 prefix-closed even when float32 sums tie (e.g. a draft probability of exactly 1).
 Node indices follow this order: node 0 is the root, parents have smaller indices
 than their children, siblings are ordered by draft rank (= draft log-prob).
 
-Two builders return identical :class:`DraftTree` s:
-
-* :func:`build_ddtree_reference`: the paper's best-first heap, one request at a
-  time, in numpy (readable; the test oracle).
-* :func:`build_ddtree`: batched and vectorized on the logits' device, no host
-  synchronization and no Python loop over requests or nodes. Depth ``d`` keeps the
-  top ``B`` children of depth ``d - 1``'s top ``B`` (exact, see
-  :func:`_candidate_pairs`), then one top ``B`` over all depths picks the tree.
-  On CPU tensors it uses the compiled heap of ``csrc/cpu/tree_build.cpp`` when
-  that extension is built (backend ``"cpp"``): there the torch build's time is
-  per-operator overhead (a dozen small ops per depth), not arithmetic.
+:func:`build_ddtree` builds the trees batched and vectorized on the logits'
+device, with no host synchronization and no Python loop over requests or nodes.
+Depth ``d`` keeps the top ``B`` children of depth ``d - 1``'s top ``B`` (exact, see
+:func:`_candidate_pairs`), then one top ``B`` over all depths picks the tree. It
+returns the same :class:`DraftTree` as the paper's best-first heap, one request at
+a time (``build_ddtree_reference`` in the tests' ``references.py``: readable, the
+test oracle).
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 __all__ = [
-    "BUILD_BACKENDS",
     "DraftTree",
     "build_ddtree",
-    "build_ddtree_reference",
     "draft_top_k",
     "tree_from_parents",
 ]
-
-
-BUILD_BACKENDS = ("cpp", "torch")
 
 
 @dataclass
@@ -171,7 +161,7 @@ def draft_top_k(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` draft tokens per position and their log-probs (float32).
 
-    The one vocabulary-sized step shared by both builders.
+    The one vocabulary-sized step, shared by every builder of the same tree.
 
     Args:
         draft_logits: [num_reqs, L, V] drafter logits (temperature is not applied,
@@ -230,7 +220,6 @@ def build_ddtree(
     top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_children: int | None = None,
     validate: bool = True,
-    backend: str = "auto",
 ) -> DraftTree:
     """Builds the DDTree of every request, batched and on device.
 
@@ -246,10 +235,6 @@ def build_ddtree(
             at most (the paper's K = min(B, V) when None). 1 gives the DFlash
             chain (the argmax path, truncated to B nodes).
         validate: check values (NaN/inf) too; this synchronizes with the device.
-        backend: ``"cpp"`` (CPU tensors, the compiled heap of
-            ``csrc/cpu/tree_build.cpp``), ``"torch"`` (any device, the depth-wise
-            top-B below) or ``"auto"`` (``"cpp"`` where it can run, else
-            ``"torch"``). Both return the same tree.
 
     Returns:
         The :class:`DraftTree` with N = max budget node rows per request.
@@ -257,7 +242,6 @@ def build_ddtree(
     _check_draft_logits(draft_logits, validate)
     num_reqs, depth_limit, vocab = draft_logits.shape
     device = draft_logits.device
-    backend = _resolve_build_backend(backend, device)
     cap, per_req_budget = _resolve_budget(budget, num_reqs, max_budget)
     if cap == 0:
         return _empty_tree(num_reqs, depth_limit, root_token_ids, device)
@@ -267,10 +251,6 @@ def build_ddtree(
         log_probs, token_ids = draft_top_k(draft_logits, k)
     else:
         log_probs, token_ids = top_k[0][..., :k].float(), top_k[1][..., :k]
-    if backend == "cpp":
-        return _build_ddtree_cpp(
-            log_probs, token_ids, cap, per_req_budget, root_token_ids
-        )
 
     # Per depth, the top `cap` nodes in tie-break order: their scores, and which
     # (parent position in the previous depth's list, draft rank) pair made each.
@@ -341,63 +321,6 @@ def build_ddtree(
     )
     num_nodes = valid.sum(dim=1)
     return _finish_tree(tokens, parents, depths, scores, num_nodes, depth_limit)
-
-
-@functools.cache
-def _cpp_build_op():
-    """``(the compiled build_tree_cpu operator or None, why not)``."""
-    try:
-        from vllm_ddtree.ops import cpu_ext
-    except ImportError as exc:  # the upstream series ships the torch builder only
-        return None, str(exc)
-    ops = cpu_ext.load()
-    return (None, cpu_ext.load_error()) if ops is None else (ops.build_tree_cpu, None)
-
-
-def _resolve_build_backend(backend: str, device: torch.device) -> str:
-    if backend not in BUILD_BACKENDS + ("auto",):
-        raise ValueError(
-            f"backend must be 'auto' or one of {BUILD_BACKENDS}, got {backend!r}"
-        )
-    if backend == "torch":
-        return backend
-    op, why = _cpp_build_op()
-    if device.type == "cpu" and op is not None:
-        return "cpp"
-    if backend == "cpp":
-        raise ValueError(
-            "backend 'cpp' needs CPU tensors and the compiled CPU extension "
-            f"(device {device}; extension: {why or 'loaded'})"
-        )
-    return "torch"
-
-
-def _build_ddtree_cpp(
-    log_probs: torch.Tensor,
-    token_ids: torch.Tensor,
-    cap: int,
-    per_req_budget: torch.Tensor | None,
-    root_token_ids: torch.Tensor | None,
-) -> DraftTree:
-    """The tree from the compiled heap (``csrc/cpu/tree_build.cpp``)."""
-    num_reqs, depth_limit, _ = log_probs.shape
-    if per_req_budget is None:
-        budgets = torch.full((num_reqs,), cap, dtype=torch.int64)
-    else:
-        budgets = per_req_budget.to(device="cpu", dtype=torch.int64).contiguous()
-    if root_token_ids is None:
-        roots = torch.zeros(num_reqs, dtype=torch.int64)
-    else:
-        roots = root_token_ids.to(device="cpu", dtype=torch.int64).reshape(num_reqs)
-    # The operator returns DraftTree's tensor fields in declaration order.
-    fields = _cpp_build_op()[0](
-        log_probs.contiguous(),
-        token_ids.to(torch.int64).contiguous(),
-        budgets,
-        roots.contiguous(),
-        cap,
-    )
-    return DraftTree(*fields, max_depth=depth_limit)
 
 
 def _children_per_depth(cap: int, vocab: int, max_children: int | None) -> int:
@@ -581,99 +504,4 @@ def tree_from_parents(
         visibility=vis_t,
         visibility_packed=pack_visibility(vis_t),
         max_depth=max_depth,
-    )
-
-
-def build_ddtree_reference(
-    draft_logits: torch.Tensor,
-    budget: int | list[int],
-    root_token_ids: list[int] | None = None,
-    *,
-    top_k: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_children: int | None = None,
-) -> DraftTree:
-    """The paper's best-first heap (Prop. 3), one request at a time. Test oracle.
-
-    Heap entries are keyed by the total order of this module; a popped node pushes
-    its next sibling and its first child. Returns the same :class:`DraftTree` as
-    :func:`build_ddtree` (padded to the largest budget).
-    """
-    _check_draft_logits(draft_logits, validate_values=True)
-    num_reqs, depth_limit, vocab = draft_logits.shape
-    budgets = [budget] * num_reqs if isinstance(budget, int) else list(budget)
-    if any(b < 0 for b in budgets):
-        raise ValueError("budget must be >= 0")
-    cap = max(budgets, default=0)
-    if cap == 0:
-        roots = torch.tensor(root_token_ids) if root_token_ids is not None else None
-        return _empty_tree(num_reqs, depth_limit, roots, draft_logits.device)
-    k = _children_per_depth(cap, vocab, max_children)
-    if top_k is None:
-        top_k = draft_top_k(draft_logits, k)
-    lp_all = top_k[0][..., :k].float().cpu().numpy()
-    ids_all = top_k[1][..., :k].cpu().numpy()
-
-    all_parents, all_tokens, all_scores = [], [], []
-    for b in range(num_reqs):
-        lp, ids = lp_all[b], ids_all[b]
-        root = root_token_ids[b] if root_token_ids is not None else 0
-        parents, tokens, scores = [-1], [int(root)], [0.0]
-        count_at_depth = [0] * (depth_limit + 1)
-        # (-score, depth, parent position in its depth, rank, parent index,
-        #  parent score)
-        zero = np.float32(0.0)
-        heap = [(-np.float32(zero + lp[0, 0]), 1, 0, 0, 0, zero)]
-        while heap and len(parents) - 1 < budgets[b]:
-            neg, depth, parent_pos, rank, parent, parent_score = heapq.heappop(heap)
-            score = -neg
-            index = len(parents)
-            pos = count_at_depth[depth]
-            count_at_depth[depth] += 1
-            parents.append(parent)
-            tokens.append(int(ids[depth - 1, rank]))
-            scores.append(float(score))
-            if rank + 1 < k:  # next sibling
-                s = np.float32(parent_score + lp[depth - 1, rank + 1])
-                heapq.heappush(
-                    heap, (-s, depth, parent_pos, rank + 1, parent, parent_score)
-                )
-            if depth < depth_limit:  # first child
-                s = np.float32(score + lp[depth, 0])
-                heapq.heappush(heap, (-s, depth + 1, pos, 0, index, score))
-        all_parents.append(parents)
-        all_tokens.append(tokens)
-        all_scores.append(scores)
-
-    # Pad every request to `cap` node rows like the vectorized builder.
-    tree = tree_from_parents(all_parents, all_tokens, depth_limit, all_scores)
-    pad = cap + 1 - tree.num_rows
-    if pad > 0:
-        tree = _pad_tree(tree, pad)
-    return tree.to(draft_logits.device)
-
-
-def _pad_tree(tree: DraftTree, pad: int) -> DraftTree:
-    num_reqs, rows = tree.tokens.shape
-    f = torch.nn.functional
-
-    def pad_rows(x: torch.Tensor, value) -> torch.Tensor:
-        return f.pad(x, (0, pad), value=value)
-
-    new_rows = rows + pad
-    vis = torch.zeros(num_reqs, new_rows, new_rows, dtype=torch.bool)
-    vis[:, :rows, :rows] = tree.visibility
-    vis[:, torch.arange(rows, new_rows), torch.arange(rows, new_rows)] = True
-    return DraftTree(
-        tokens=pad_rows(tree.tokens, 0),
-        parents=pad_rows(tree.parents, -1),
-        depths=pad_rows(tree.depths, 0),
-        scores=pad_rows(tree.scores, float("-inf")),
-        num_nodes=tree.num_nodes,
-        retrieve_index=torch.arange(num_reqs).unsqueeze(1) * new_rows
-        + torch.arange(new_rows).unsqueeze(0),
-        retrieve_next_token=pad_rows(tree.retrieve_next_token, -1),
-        retrieve_next_sibling=pad_rows(tree.retrieve_next_sibling, -1),
-        visibility=vis,
-        visibility_packed=pack_visibility(vis),
-        max_depth=tree.max_depth,
     )

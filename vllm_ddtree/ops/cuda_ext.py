@@ -66,11 +66,6 @@ def load_error() -> str | None:
     return _load()[1]
 
 
-def _clear_cache() -> None:
-    """Forgets the cached load results (tests)."""
-    load_extension.cache_clear()
-
-
 def tree_verify_cuda(
     logits: torch.Tensor,
     tokens: torch.Tensor,

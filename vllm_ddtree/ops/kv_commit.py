@@ -23,9 +23,9 @@ Semantics: for every layer, K and V at ``dst_slots[i]`` become what was at
 ``src_slots[i]`` *before* any write (gather-then-scatter); moves with
 ``src == dst`` are skipped (``plan_commit`` pads with such self-moves).
 
-:func:`commit_kv_reference` is the torch definition. :func:`commit_kv_triton`
-moves every layer in one launch, in place, without a scratch buffer and without
-a host sync. It equals the reference when the moves are *ordered*: no moving
+:func:`commit_kv_triton` moves every layer in one launch, in place, without a
+scratch buffer and without a host sync (tested against a torch reference of these
+semantics). It equals gather-then-scatter when the moves are *ordered*: no moving
 entry writes a slot that a later moving entry reads, i.e. for ``k < j``
 ``dst[k] != src[j]``. Accepted paths satisfy this: within a request, depth ``k``
 is written (position ``prefix + k``) before depth ``j > k`` reads position
@@ -45,7 +45,7 @@ import triton.language as tl
 
 from vllm_ddtree.ops.triton_verify import _interpreting
 
-__all__ = ["commit_kv_reference", "commit_kv_triton"]
+__all__ = ["commit_kv_triton"]
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
@@ -107,42 +107,6 @@ def _check_args(
             f"src_slots and dst_slots differ in length: {src_slots.numel()} vs "
             f"{dst_slots.numel()}"
         )
-
-
-def commit_kv_reference(
-    kv_caches: Sequence[torch.Tensor],
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-) -> None:
-    """Copies K/V from ``src_slots`` to ``dst_slots`` in every layer (torch).
-
-    The definition the kernel is tested against. Filters the self-moves with a
-    boolean mask, which synchronizes a GPU; meant for tests and CPU runs.
-
-    Args:
-        kv_caches: per-layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-            float16/bfloat16/float32 caches of one shape, dtype and device;
-            modified in place.
-        src_slots: [num_moves] int32/int64 slots to read.
-        dst_slots: [num_moves] int32/int64 slots to write. Moving entries
-            (``src != dst``) must have distinct destinations.
-
-    Raises:
-        ValueError: on mismatched shapes, dtypes or devices.
-    """
-    _check_args(kv_caches, src_slots, dst_slots)
-    if not kv_caches or src_slots.numel() == 0:
-        return
-    block_size = kv_caches[0].shape[2]
-    moving = src_slots != dst_slots
-    src = src_slots[moving].long()
-    dst = dst_slots[moving].long()
-    src_block, src_offset = src // block_size, src % block_size
-    dst_block, dst_offset = dst // block_size, dst % block_size
-    for cache in kv_caches:
-        # Advanced indexing gathers into a new tensor before the scatter, so every
-        # source is read before anything is written.
-        cache[:, dst_block, dst_offset] = cache[:, src_block, src_offset]
 
 
 @triton.jit
@@ -263,7 +227,7 @@ def commit_kv_triton(
     same memory. It walks the moves in order, ``block_moves`` at a time: it loads
     the tile's source rows, waits for the whole tile (a CTA barrier), stores them,
     and waits again. Within a tile this is exactly gather-then-scatter; across
-    tiles it is sequential, which equals the reference when the moves are
+    tiles it is sequential, which equals gather-then-scatter when the moves are
     ordered (module doc) -- always true for accepted paths from ``plan_commit``.
 
     Nothing to move never costs a host sync: zero moves return before launching;

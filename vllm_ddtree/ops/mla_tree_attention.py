@@ -18,12 +18,12 @@ committed row and to tree row ``j`` iff bit ``j`` of row ``i`` of the packed
 ancestor mask is set (``DraftTree.visibility_packed``, the format of
 :mod:`vllm_ddtree.ops.tree_attention`).
 
-* :func:`mla_tree_attention_reference`: torch, one request at a time, float32.
-* :func:`mla_tree_attention_triton`: one program per (request, ``BLOCK_Q`` tree
-  rows, ``BLOCK_H`` heads); the heads are folded with the rows into the
-  program's query tile (MQA: every head reads the same latent tile), online
-  softmax in float32 over the prefix, then over the tree rows with the ancestor
-  bits. No host synchronization.
+:func:`mla_tree_attention_triton` runs one program per (request, ``BLOCK_Q``
+tree rows, ``BLOCK_H`` heads); the heads are folded with the rows into the
+program's query tile (MQA: every head reads the same latent tile), online softmax
+in float32 over the prefix, then over the tree rows with the ancestor bits. No
+host synchronization. It is tested against a torch reference (one request at a
+time, float32).
 
 Rows of no request and rows that see no key are zero.
 """
@@ -42,11 +42,10 @@ from vllm_ddtree.ops.tree_attention import (
     _check_tree_layout,
     _mma,
     _online_softmax_step,
-    _unpack_tree_mask,
 )
 from vllm_ddtree.ops.triton_verify import _interpreting
 
-__all__ = ["mla_tree_attention_reference", "mla_tree_attention_triton"]
+__all__ = ["mla_tree_attention_triton"]
 
 
 def _check_inputs(
@@ -81,76 +80,6 @@ def _check_inputs(
     )
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a float, got {scale!r}")
-
-
-def mla_tree_attention_reference(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    tree_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    tree_mask_bits: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Latent-space tree attention in torch, one request at a time, float32.
-
-    Args:
-        q_lat: [num_tokens, num_heads, L] absorbed queries (``q_nope @ W_UK``).
-        q_pe: [num_tokens, num_heads, R] rotary query parts (RoPE applied).
-        latent_cache: [num_blocks, block_size, L + R] vLLM's MLA cache.
-        block_table, prefix_lens, tree_lens, query_start_loc, tree_mask_bits:
-            as ``tree_attention_reference`` (``ops/tree_attention.py``).
-        scale: softmax scale (vLLM's MLA ``scale``, for the q.k of the full
-            ``qk_nope + qk_rope`` head).
-
-    Returns:
-        [num_tokens, num_heads, L] latent outputs in q_lat's dtype (before
-        ``W_UV``); rows of no request are zero.
-    """
-    _check_inputs(
-        q_lat,
-        q_pe,
-        latent_cache,
-        block_table,
-        prefix_lens,
-        tree_lens,
-        query_start_loc,
-        tree_mask_bits,
-        scale,
-    )
-    block_size = latent_cache.shape[1]
-    lora = q_lat.shape[2]
-    out = torch.zeros_like(q_lat)
-    for r, (p, t, q0) in enumerate(
-        zip(
-            prefix_lens.tolist(),
-            tree_lens.tolist(),
-            query_start_loc[:-1].tolist(),
-            strict=True,
-        )
-    ):
-        if t == 0:
-            continue
-        pos = torch.arange(p + t, device=q_lat.device)
-        rows = latent_cache[block_table[r].long()[pos // block_size], pos % block_size]
-        kv_c, k_pe = rows[:, :lora].float(), rows[:, lora:].float()  # [S, L], [S, R]
-        visible = torch.cat(
-            [
-                torch.ones(t, p, dtype=torch.bool, device=q_lat.device),
-                _unpack_tree_mask(tree_mask_bits[r, :t], t),
-            ],
-            dim=1,
-        )  # [t, S]
-        scores = (
-            torch.einsum("thl,sl->hts", q_lat[q0 : q0 + t].float(), kv_c)
-            + torch.einsum("thr,sr->hts", q_pe[q0 : q0 + t].float(), k_pe)
-        ) * float(scale)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing: zero
-        out[q0 : q0 + t] = torch.einsum("hts,sl->thl", probs, kv_c).to(out.dtype)
-    return out
 
 
 @triton.jit
@@ -334,13 +263,28 @@ def mla_tree_attention_triton(
     block_n: int = 32,
 ) -> torch.Tensor:
     """Latent-space tree attention, one Triton program per (request, row block,
-    head block). Same arguments, contract and result as
-    :func:`mla_tree_attention_reference`, plus power-of-two tiles: ``block_q``
-    tree rows and ``block_h`` heads per program (default: 16 query rows in all,
-    heads first), ``block_n`` keys per tile. ``L`` and ``R`` must be powers of
-    two (DeepSeek: 512 and 64); the ``[block_q * block_h, L]`` float32
-    accumulator lives in registers. The cache's last dimension must be
-    contiguous."""
+    head block).
+
+    Args:
+        q_lat: [num_tokens, num_heads, L] absorbed queries (``q_nope @ W_UK``).
+        q_pe: [num_tokens, num_heads, R] rotary query parts (RoPE applied).
+        latent_cache: [num_blocks, block_size, L + R] vLLM's MLA cache.
+        block_table, prefix_lens, tree_lens, query_start_loc, tree_mask_bits:
+            as ``tree_attention_triton`` (``ops/tree_attention.py``).
+        scale: softmax scale (vLLM's MLA ``scale``, for the q.k of the full
+            ``qk_nope + qk_rope`` head).
+        block_q, block_h: power-of-two tiles: tree rows and heads per program
+            (default: 16 query rows in all, heads first).
+        block_n: keys per tile, a power of two.
+
+    Returns:
+        [num_tokens, num_heads, L] latent outputs in q_lat's dtype (before
+        ``W_UV``); rows of no request are zero.
+
+    ``L`` and ``R`` must be powers of two (DeepSeek: 512 and 64); the
+    ``[block_q * block_h, L]`` float32 accumulator lives in registers. The
+    cache's last dimension must be contiguous.
+    """
     _check_inputs(
         q_lat,
         q_pe,

@@ -29,22 +29,18 @@ The mask is :attr:`vllm_ddtree.tree.DraftTree.visibility_packed` as is:
 (little-endian, bit 31 is the sign bit) of word ``j // 32`` of row ``i`` is
 column ``j``. A request uses the top-left ``t x t`` corner of its slice.
 
-Two implementations with one contract:
-
-* :func:`tree_attention_reference`: gathers K/V in torch, builds the boolean
-  mask and calls ``scaled_dot_product_attention`` in float32, one request at a
-  time (host synchronizes; the test oracle).
-* :func:`tree_attention_triton`: one Triton program per (request, block of
-  ``BLOCK_Q`` tree rows, KV head). The ``G`` query heads that share the KV
-  head are folded with the tree rows into the program's ``BLOCK_Q * G`` query
-  rows, so each K/V tile read through the block table is reused by all of
-  them in one tensor-core ``tl.dot``, and the (long) prefix is read once per
-  row block instead of once per query row. Online softmax in float32 runs over
-  the prefix in ``BLOCK_N``-key tiles (bounds mask only), then over the tree
-  keys in ``BLOCK_T``-key tiles with the ancestor bits (all ``t`` of them: any
-  mask works, not only lower-triangular ones). The launch needs only
-  the mask's static shape (``max_tree_rows``); lengths are read on device, so
-  the wrapper never synchronizes.
+:func:`tree_attention_triton` runs one Triton program per (request, block of
+``BLOCK_Q`` tree rows, KV head). The ``G`` query heads that share the KV head
+are folded with the tree rows into the program's ``BLOCK_Q * G`` query rows, so
+each K/V tile read through the block table is reused by all of them in one
+tensor-core ``tl.dot``, and the (long) prefix is read once per row block instead
+of once per query row. Online softmax in float32 runs over the prefix in
+``BLOCK_N``-key tiles (bounds mask only), then over the tree keys in
+``BLOCK_T``-key tiles with the ancestor bits (all ``t`` of them: any mask works,
+not only lower-triangular ones). The launch needs only the mask's static shape
+(``max_tree_rows``); lengths are read on device, so the wrapper never
+synchronizes. It is tested against a torch reference (K/V gathered in torch, the
+boolean mask, float32 softmax, one request at a time).
 
 Query rows that belong to no request (e.g. CUDA-graph padding past
 ``query_start_loc[-1]``) are returned as zeros, as are rows that see no key at
@@ -62,7 +58,7 @@ import triton.language as tl
 
 from vllm_ddtree.ops.triton_verify import _interpreting
 
-__all__ = ["tree_attention_reference", "tree_attention_triton"]
+__all__ = ["tree_attention_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -252,142 +248,6 @@ def _check_values(
     ids = block_table.long()[used]
     if bool(((ids < 0) | (ids >= num_blocks)).any()):
         raise ValueError(f"block_table's used entries must be in [0, {num_blocks})")
-
-
-def _unpack_tree_mask(words: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """[..., ceil(n / 32)] int32 packed rows -> [..., num_cols] bool."""
-    cols = torch.arange(num_cols, device=words.device)
-    # An arithmetic shift of a negative word still leaves the wanted bit at 0.
-    return ((words[..., cols // 32] >> (cols % 32)) & 1).bool()
-
-
-# --------------------------------------------------------------------------- #
-# Torch reference
-# --------------------------------------------------------------------------- #
-
-
-def tree_attention_reference(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    tree_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    tree_mask_bits: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int = 0,
-    sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    tree_depths: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Tree attention in torch, one request at a time, in float32.
-
-    Args:
-        query: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 query
-            rows of the tree tokens (RoPE already applied).
-        key_cache: [num_blocks, block_size, num_kv_heads, head_dim] paged keys
-            (vLLM's FlashAttention layout, any strides), query's dtype;
-            ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head
-            ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
-        value_cache: like ``key_cache``.
-        block_table: [num_reqs, max_blocks_per_req] int32/int64. Position ``s``
-            of request ``r`` lives at block ``block_table[r, s // block_size]``,
-            offset ``s % block_size``.
-        prefix_lens: [num_reqs] int32/int64 committed tokens per request.
-        tree_lens: [num_reqs] int32/int64 tree rows per request (root included),
-            at most ``max_tree_rows``; their K/V are already in the cache at
-            positions ``prefix_lens[r] ..``.
-        query_start_loc: [num_reqs + 1] int32/int64; request ``r``'s query rows
-            are ``query[query_start_loc[r]:query_start_loc[r + 1]]``.
-        tree_mask_bits: [num_reqs, max_tree_rows, ceil(max_tree_rows / 32)] int32
-            ancestor-or-self mask packed like
-            :func:`vllm_ddtree.tree.pack_visibility`.
-        scale: softmax scale (usually ``head_dim ** -0.5``).
-        sliding_window: the layer's window ``w`` (``<= 0``: none).
-        sinks: [num_heads] float, the layer's attention sinks, or None.
-        softcap: the layer's logit softcap (0: none).
-        tree_depths: [num_reqs, max_tree_rows] int32/int64, each tree row's
-            depth (root 0); needed with a sliding window.
-
-    Returns:
-        [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are
-        zero, as are rows that see no key.
-    """
-    _check_inputs(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        prefix_lens,
-        tree_lens,
-        query_start_loc,
-        tree_mask_bits,
-        scale,
-        sliding_window,
-        sinks,
-        softcap,
-        tree_depths,
-    )
-    _check_values(
-        query,
-        key_cache,
-        block_table,
-        prefix_lens,
-        tree_lens,
-        query_start_loc,
-        tree_mask_bits,
-    )
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    group = query.shape[1] // num_kv_heads
-    device = query.device
-    out = torch.zeros_like(query)
-    for r, (p, t, q0) in enumerate(
-        zip(
-            prefix_lens.tolist(),
-            tree_lens.tolist(),
-            query_start_loc[:-1].tolist(),
-            strict=True,
-        )
-    ):
-        if t == 0:
-            continue
-        # Committed keys older than the root's window are seen by no row (and
-        # are not read: vLLM may have freed their blocks).
-        first = max(p - sliding_window + 1, 0) if sliding_window > 0 else 0
-        pos = torch.arange(first, p + t, device=device)
-        n = pos.numel()
-        blocks = block_table[r].long()[pos // block_size]
-        # [n, num_heads, head_dim]: each KV head repeated for its G q heads.
-        k = key_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
-        v = value_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
-        q = query[q0 : q0 + t].float()  # [t, num_heads, head_dim]
-        visible = torch.cat(
-            [
-                torch.ones(t, p - first, dtype=torch.bool, device=device),
-                _unpack_tree_mask(tree_mask_bits[r, :t], t),
-            ],
-            dim=1,
-        )  # [t, n]
-        if sliding_window > 0:
-            depth = tree_depths[r, :t].long()
-            key_pos = torch.cat([pos[: p - first], p + depth])
-            visible &= (p + depth)[:, None] - key_pos[None, :] < sliding_window
-        # [num_heads, t, n]
-        scores = torch.einsum("thd,shd->hts", q, k) * float(scale)
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if sinks is not None:
-            sink = sinks.float().view(-1, 1, 1).expand(-1, t, 1)
-            scores = torch.cat([scores, sink], dim=-1)
-        probs = torch.softmax(scores, dim=-1)[..., :n]
-        # A row that sees nothing (and has no sink): NaN; the contract says zero.
-        probs = torch.nan_to_num(probs, nan=0.0)
-        o = torch.einsum("hts,shd->thd", probs, v)
-        out[q0 : q0 + t] = o.to(query.dtype)
-    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -688,10 +548,32 @@ def tree_attention_triton(
 ) -> torch.Tensor:
     """Tree attention with one Triton program per (request, row block, KV head).
 
-    Same arguments, contract and result as :func:`tree_attention_reference`
-    (which documents them), plus:
-
     Args:
+        query: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 query
+            rows of the tree tokens (RoPE already applied).
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim] paged keys
+            (vLLM's FlashAttention layout, any strides), query's dtype;
+            ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head
+            ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+        value_cache: like ``key_cache``.
+        block_table: [num_reqs, max_blocks_per_req] int32/int64. Position ``s``
+            of request ``r`` lives at block ``block_table[r, s // block_size]``,
+            offset ``s % block_size``.
+        prefix_lens: [num_reqs] int32/int64 committed tokens per request.
+        tree_lens: [num_reqs] int32/int64 tree rows per request (root included),
+            at most ``max_tree_rows``; their K/V are already in the cache at
+            positions ``prefix_lens[r] ..``.
+        query_start_loc: [num_reqs + 1] int32/int64; request ``r``'s query rows
+            are ``query[query_start_loc[r]:query_start_loc[r + 1]]``.
+        tree_mask_bits: [num_reqs, max_tree_rows, ceil(max_tree_rows / 32)] int32
+            ancestor-or-self mask packed like
+            :func:`vllm_ddtree.tree.pack_visibility`.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: the layer's window ``w`` (``<= 0``: none).
+        sinks: [num_heads] float, the layer's attention sinks, or None.
+        softcap: the layer's logit softcap (0: none).
+        tree_depths: [num_reqs, max_tree_rows] int32/int64, each tree row's
+            depth (root 0); needed with a sliding window.
         block_q: tree rows per program, a power of two; the program's query tile
             is ``block_q * next_power_of_2(G)`` rows (G = num_heads //
             num_kv_heads). Default: about 64 query rows, at least 16 (the
@@ -701,6 +583,10 @@ def tree_attention_triton(
             ``next_power_of_2(max_tree_rows)`` clamped to [16, 64]).
         validate: also check lengths, offsets and block ids against the tensors
             (synchronizes with the device; off on the hot path).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are
+        zero, as are rows that see no key.
 
     ``head_dim`` must be a power of two (``tl.arange``). Tiles and head_dim below
     16 are accepted only under ``TRITON_INTERPRET=1``: ``tl.dot`` needs 16 on

@@ -30,12 +30,12 @@ children as ``vllm_ddtree.tree`` orders them):
 * :func:`tree_conv_windows`: each row's conv window along its root path (a
   gather; vLLM's decode conv kernels then run on the windows), and
   :func:`tree_causal_conv1d`, the convolution over them in torch.
-* :func:`tree_gated_delta_rule_reference`: the recurrence in torch, float32,
-  all nodes of one depth at once (the CPU path, and the oracle).
-* :func:`tree_gated_delta_rule_triton`: one program per (request, v-head,
-  ``BLOCK_V`` values); rows in order, each loading its parent's state from
-  its slot (the per-token initial-state index of vLLM's recurrent kernel is the
-  parent's slot here). No host synchronization.
+* :func:`tree_gated_delta_rule_triton`: the recurrence, one program per
+  (request, v-head, ``BLOCK_V`` values); rows in order, each loading its
+  parent's state from its slot (the per-token initial-state index of vLLM's
+  recurrent kernel is the parent's slot here). No host synchronization. Tested
+  against a torch reference (float32, all nodes of one depth at once). On the
+  CPU, vLLM's own decode kernels run the recurrence, one tree depth at a time.
 
 State caches are views ``[num_slots, HV, K, V]`` with any strides (vLLM's CPU
 kernels keep ``h[k, v]``, its Triton kernels ``h[v, k]``: pass
@@ -55,7 +55,6 @@ __all__ = [
     "tree_causal_conv1d",
     "tree_conv_windows",
     "tree_depths",
-    "tree_gated_delta_rule_reference",
     "tree_gated_delta_rule_triton",
 ]
 
@@ -178,75 +177,6 @@ def _check_inputs(q, k, v, a, b, state, parent_rows, initial_slots, node_slots):
             raise ValueError(f"{name} must be [{m}], got {tuple(t.shape)}")
 
 
-def _gating(a, b, A_log, dt_bias, threshold):
-    x = a.float() + dt_bias.float()
-    softplus = torch.where(x <= threshold, torch.log1p(torch.exp(x)), x)
-    g = -torch.exp(A_log.float()) * softplus  # [M, HV]
-    return g, torch.sigmoid(b.float())
-
-
-def tree_gated_delta_rule_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    parent_rows: torch.Tensor,
-    initial_slots: torch.Tensor,
-    node_slots: torch.Tensor,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    softplus_threshold: float = 20.0,
-) -> torch.Tensor:
-    """The gated delta rule along the tree, in torch (float32 arithmetic).
-
-    Args:
-        q, k: [M, H, K] after the convolution.
-        v: [M, HV, V].
-        a, b: [M, HV] gate inputs (``g`` and ``beta`` are computed here).
-        A_log, dt_bias: [HV] the layer's gate parameters.
-        state: [num_slots, HV, K, V] state cache (written: every row's
-            post-state at ``node_slots``).
-        parent_rows, initial_slots, node_slots: see the module docstring.
-        scale: query scale, default ``K ** -0.5``.
-
-    Returns:
-        [M, HV, V] outputs in v's dtype.
-    """
-    _check_inputs(q, k, v, a, b, state, parent_rows, initial_slots, node_slots)
-    m, num_k_heads, k_dim = q.shape
-    num_v_heads = v.shape[1]
-    scale = k_dim**-0.5 if scale is None else scale
-    group = num_v_heads // num_k_heads
-    qf = q.float().repeat_interleave(group, dim=1)  # [M, HV, K]
-    kf = k.float().repeat_interleave(group, dim=1)
-    if use_qk_l2norm:
-        qf = qf / torch.sqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
-        kf = kf / torch.sqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
-    qf = qf * scale
-    g, beta = _gating(a, b, A_log, dt_bias, softplus_threshold)
-    parents = parent_rows.to(torch.int64)
-    depth = tree_depths(parents)
-    node_slots = node_slots.to(torch.int64)
-    source = torch.where(
-        parents >= 0, node_slots[parents.clamp(min=0)], initial_slots.to(torch.int64)
-    )
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    for level in range(int(depth.max()) + 1 if m else 0):
-        rows = torch.nonzero(depth == level).squeeze(1)
-        h = state[source[rows]].float()  # [n, HV, K, V]
-        h = h * torch.exp(g[rows])[..., None, None]
-        kr, vr = kf[rows], v[rows].float()
-        delta = (vr - torch.einsum("nhkv,nhk->nhv", h, kr)) * beta[rows][..., None]
-        h = h + kr[..., :, None] * delta[..., None, :]
-        out[rows] = torch.einsum("nhkv,nhk->nhv", h, qf[rows])
-        state[node_slots[rows]] = h.to(state.dtype)
-    return out.to(v.dtype)
-
-
 @triton.jit
 def _tree_gdn_kernel(
     q_ptr,
@@ -353,11 +283,26 @@ def tree_gated_delta_rule_triton(
     softplus_threshold: float = 20.0,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """:func:`tree_gated_delta_rule_reference` in one Triton launch.
+    """The gated delta rule along the trees, in one Triton launch (float32
+    arithmetic).
 
-    ``tree_start_loc``: [R + 1] packed row offsets of the requests (a request's
-    rows form one tree; no row may read a slot another request writes). Rows of
-    no request are zero in the output.
+    Args:
+        q, k: [M, H, K] after the convolution.
+        v: [M, HV, V].
+        a, b: [M, HV] gate inputs (``g`` and ``beta`` are computed here).
+        A_log, dt_bias: [HV] the layer's gate parameters.
+        state: [num_slots, HV, K, V] state cache (written: every row's
+            post-state at ``node_slots``).
+        parent_rows, initial_slots, node_slots: see the module docstring.
+        tree_start_loc: [R + 1] packed row offsets of the requests (a request's
+            rows form one tree; no row may read a slot another request writes).
+        scale: query scale, default ``K ** -0.5``.
+        use_qk_l2norm: l2-normalize q and k before scaling.
+        softplus_threshold: above it, ``softplus(x)`` is taken as ``x``.
+        block_v: values per program (default ``min(next_power_of_2(V), 64)``).
+
+    Returns:
+        [M, HV, V] outputs in v's dtype; rows of no request are zero.
     """
     _check_inputs(q, k, v, a, b, state, parent_rows, initial_slots, node_slots)
     m, num_k_heads, k_dim = q.shape

@@ -19,10 +19,10 @@ Row spaces
 * **batch rows**: the forward's query rows, in ``attn_metadata.query_start_loc``
   order (request ``r`` owns rows ``query_start_loc[r] .. query_start_loc[r+1]-1``).
 * **tree rows**: the tree blocks of the listed requests concatenated in list order
-  (= batch order). Request ``k`` of the list owns tree rows
-  ``tree_block_starts[k] .. tree_block_starts[k] + T_k - 1``, node ``i`` of its
-  tree at ``tree_block_starts[k] + i``. When every request of the batch verifies
-  a tree occupying its whole query, both spaces coincide.
+  (= batch order). Request ``k`` of the list owns the ``T_k`` tree rows after
+  those of requests ``0 .. k-1``: node ``i`` of its tree is tree row
+  ``T_0 + .. + T_{k-1} + i``. When every request of the batch verifies a tree
+  occupying its whole query, both spaces coincide.
 
 Shapes (per listed request, ``T = T_r``, ``nc = nc_r``)
 ------------------------------------------------------
@@ -201,59 +201,10 @@ class TreeAttentionBatch:
             )
         return cls(tuple(reqs), stash_kv=stash_kv)
 
-    @classmethod
-    def from_block_starts(
-        cls,
-        tree,
-        block_starts: Sequence[int] | torch.Tensor,
-        query_start_loc: Sequence[int] | torch.Tensor,
-        seq_lens: Sequence[int] | torch.Tensor,
-        num_drafts: Sequence[int],
-        include_root_only: bool = False,
-        stash_kv: bool = True,
-    ) -> TreeAttentionBatch:
-        """Builds the batch from one tree row per batch request (``StepTrees``).
-
-        Request ``r``'s tree block starts at batch row ``block_starts[r]`` and has
-        ``T = num_drafts[r] + 1`` rows; ``seq_lens[r]`` counts its cached tokens
-        after this forward (``num_computed + num_scheduled``), so the root's
-        position is ``nc = seq_lens[r] - (query_start_loc[r + 1] - block_starts[r])``.
-        Root-only blocks (no drafts) attend exactly as the stock kernel does and
-        are left out unless ``include_root_only``.
-        """
-
-        def as_list(x):
-            return x.tolist() if isinstance(x, torch.Tensor) else list(x)
-
-        starts, qsl, lens = (
-            as_list(block_starts),
-            as_list(query_start_loc),
-            as_list(seq_lens),
-        )
-        rows, reqs, offs, sizes, prefix = [], [], [], [], []
-        for r, n in enumerate(num_drafts):
-            if n == 0 and not include_root_only:
-                continue
-            rows.append(r)
-            reqs.append(r)
-            offs.append(starts[r] - qsl[r])
-            sizes.append(int(n) + 1)
-            prefix.append(lens[r] - (qsl[r + 1] - starts[r]))
-        return cls.from_tree(tree, rows, reqs, offs, sizes, prefix, stash_kv=stash_kv)
-
     @property
     def num_tree_rows(self) -> int:
         """M: total tree rows (sum of T_r)."""
         return sum(r.num_rows for r in self.requests)
-
-    @property
-    def tree_block_starts(self) -> list[int]:
-        """First tree row (the root) of each listed request, in tree-row space."""
-        starts, acc = [], 0
-        for r in self.requests:
-            starts.append(acc)
-            acc += r.num_rows
-        return starts
 
     def commit_kv(
         self, moves: tuple[torch.Tensor, torch.Tensor], row_space: str = "tree"

@@ -65,7 +65,6 @@ __all__ = [
     "plan_for",
     "register_tree_attention_backend",
     "unpack_blocks",
-    "unpack_prefix",
 ]
 
 BACKEND_PATH = f"{__name__}.DDTreeCPUAttentionBackend"
@@ -218,23 +217,6 @@ def unpack_blocks(
     k_index, v_index = packed_layout(isa, kv_cache.dtype, block_size, two_d // 2)
     block_ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
     return _unpack(kv_cache, block_ids, k_index, v_index)
-
-
-def unpack_prefix(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int, isa: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``num_tokens`` cached K and V of one sequence, ``[n, Hkv, D]`` each.
-
-    Args:
-        kv_cache: ``[num_blocks, Hkv, block_size, 2 * D]``, ISA-packed.
-        block_table_row: the sequence's block ids (``attn_metadata.block_table[r]``).
-        num_tokens: positions ``0 .. num_tokens - 1`` are returned.
-        isa: ``layer.isa`` (as set by the CPU metadata builder).
-    """
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-num_tokens // block_size)
-    k, v = unpack_blocks(kv_cache, block_table_row[:num_blocks], isa)
-    return k[:num_tokens], v[:num_tokens]
 
 
 # --------------------------------------------------------------------------------

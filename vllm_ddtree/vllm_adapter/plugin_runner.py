@@ -39,14 +39,16 @@ def model_runner_init_hook(init):
 
 def enable_ddtree(runner) -> None:
     """Turns a constructed V1 runner into a ddtree runner: its drafter becomes a
-    ``DDTreeProposer`` and ``runner.ddtree`` its :class:`DDTreeVerifier`."""
-    from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
+    ``DDTreeProposer`` (the plugin's subclass, ``plugin_proposer.py``) and
+    ``runner.ddtree`` its :class:`DDTreeVerifier`."""
+    from vllm_ddtree.vllm_adapter.plugin_proposer import PluginDDTreeProposer
 
     cls = type(runner)
     if cls not in _MIXED_CLASSES:
-        _MIXED_CLASSES[cls] = type(f"DDTree{cls.__name__}", (DDTreeRunnerMixin, cls), {})
+        name = f"DDTree{cls.__name__}"
+        _MIXED_CLASSES[cls] = type(name, (DDTreeRunnerMixin, cls), {})
     runner.__class__ = _MIXED_CLASSES[cls]
-    runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, runner)
+    runner.drafter = PluginDDTreeProposer(runner.vllm_config, runner.device, runner)
     runner.ddtree = DDTreeVerifier(runner)
 
 

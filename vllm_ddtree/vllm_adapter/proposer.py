@@ -134,16 +134,25 @@ class DDTreeProposer(DFlashProposer):
         assert logits is not None, "the DFlash pass produced no draft logits"
         num_reqs = next_token_ids.shape[0]
         self.last_tree = self._to_target_ids(
-            build_ddtree(
-                logits.view(num_reqs, self.draft_depth, -1),
-                self.ddtree.budget,
-                root_token_ids=next_token_ids,
-                max_children=self.ddtree.max_children,
-                validate=False,
+            self._build_tree(
+                logits.view(num_reqs, self.draft_depth, -1), next_token_ids
             )
         )
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
+
+    def _build_tree(
+        self, draft_logits: torch.Tensor, root_token_ids: torch.Tensor
+    ) -> DraftTree:
+        """The DDTree of every request from its ``[R, depth, V']`` draft logits,
+        rooted at its bonus token (``root_token_ids`` [R]); no host sync."""
+        return build_ddtree(
+            draft_logits,
+            self.ddtree.budget,
+            root_token_ids=root_token_ids,
+            max_children=self.ddtree.max_children,
+            validate=False,
+        )
 
     def defer_context(
         self,
