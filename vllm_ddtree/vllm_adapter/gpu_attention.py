@@ -15,7 +15,10 @@ Two ways, chosen per KV-cache group by the builder:
   per-sequence query-query bias: vLLM with the series' kernel change): the
   builder puts the trees into the metadata as ``qq_bias`` [n, Q, Q] (0 or -inf)
   and ``qq_bias_seq_offsets``, and the batch's own ``unified_attention`` call
-  attends ancestor-only, with its own tiling, split and head sizes.
+  attends ancestor-only, with its own tiling and head sizes. Small tree batches
+  (a 2D grid that would under-fill the GPU) split over KV: the builder gives
+  them softmax scratch for every query row (the stock scratch has one row per
+  decode sequence), and the kernel then takes its 3D path.
 * **Recompute** (windowed groups, and vLLM 0.32, whose kernel has one bias for
   the whole batch): the stock call attends the batch, then
   ``ops.tree_attention.tree_attention_triton`` recomputes the tree rows over the
@@ -45,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backends.triton_attn import (
+    MIN_LAUNCH_GRID_SIZE_2D,
+    NUM_PAR_SOFTMAX_SEGMENTS,
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadata,
@@ -351,7 +356,44 @@ class DDTreeTritonAttentionMetadataBuilder(
         ):
             plan = _plan(batch, metadata)
             metadata.qq_bias, metadata.qq_bias_seq_offsets = plan.qq_bias()
+            scratch = self._split_kv_scratch()
+            metadata.num_par_softmax_segments = NUM_PAR_SOFTMAX_SEGMENTS
+            (
+                metadata.softmax_segm_output,
+                metadata.softmax_segm_max,
+                metadata.softmax_segm_expsum,
+            ) = scratch
         return metadata
+
+    def _split_kv_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Softmax scratch of the kernel's split-KV (3D) path for tree batches,
+        allocated once: one row per query row, as many rows as leave the 2D
+        grid under MIN_LAUNCH_GRID_SIZE_2D programs (the kernel's own rule for
+        decodes; a larger batch runs 2D), and never fewer than the stock
+        scratch. [rows, Hq, segments, D'] + 2 x [rows, Hq, segments] float32."""
+        scratch = getattr(self, "_tree_softmax_scratch", None)
+        if scratch is None:
+            heads_q, heads_kv = self.num_heads_q, self.num_heads_kv
+            per_kv = heads_q // heads_kv
+            block_m = 16 if per_kv <= 16 else 1 << (per_kv - 1).bit_length()
+            rows = max(
+                self.softmax_segm_max.shape[0],
+                MIN_LAUNCH_GRID_SIZE_2D * (block_m // per_kv) // heads_kv,
+            )
+            shape = (rows, heads_q, NUM_PAR_SOFTMAX_SEGMENTS)
+            device = self.softmax_segm_max.device
+            scratch = (
+                torch.empty(
+                    *shape,
+                    self.softmax_segm_output.shape[-1],
+                    dtype=torch.float32,
+                    device=device,
+                ),
+                torch.empty(shape, dtype=torch.float32, device=device),
+                torch.empty(shape, dtype=torch.float32, device=device),
+            )
+            self._tree_softmax_scratch = scratch
+        return scratch
 
 
 class DDTreeTritonAttentionBackend(TritonAttentionBackend):

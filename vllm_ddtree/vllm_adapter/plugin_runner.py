@@ -107,7 +107,8 @@ class DDTreeRunnerMixin:
         common_attn_metadata,
         slot_mappings,
     ):
-        aux_hidden_states, skipped = self.ddtree.before_propose(
+        aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)
+        skipped = self.ddtree.skip_drafter(
             scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata
         )
         if skipped is not None:

@@ -45,15 +45,17 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = draft_len
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
+        # Positions drafted this pass (<= draft_len).
+        self.draft_depth = self.draft_len
+        # >>> auto budget
+        # The auto budget lowers draft_depth while its trees stay shallow. The
+        # block is then shorter (bonus + depth mask queries), so the drafter's
+        # forward and its LM head shrink with it; measured at batch 1 (SmolLM2
+        # pair): trees of 4 nodes from a 4-position block accept as many tokens
+        # as from the 15-position one, 4.6% faster.
         # False: the next pass only queues the drafter's context K/V, with no
         # drafter forward, and drafts nothing (set by the auto budget).
         self.draft_this_step = True
-        # Positions drafted this pass (<= draft_len): the auto budget lowers it
-        # while its trees stay shallow. The block is then shorter (bonus + depth
-        # mask queries), so the drafter's forward and its LM head shrink with it;
-        # measured at batch 1 (SmolLM2 pair): trees of 4 nodes from a 4-position
-        # block accept as many tokens as from the 15-position one, 4.6% faster.
-        self.draft_depth = self.draft_len
         # Context K/V of steps without drafts, not yet written: (target hidden
         # states [n, 3H], positions [n], slots [n], committed rows [n] bool) per
         # step, written in one batch before the next drafter forward (or when
@@ -65,6 +67,7 @@ class DDTreeProposer(DFlashProposer):
         # auto budget leaves them out of its pass-cost samples (a flush writes rows
         # earlier steps queued; drafting or not, they are written).
         self.flush_seconds = 0.0
+        # <<< auto budget
 
     def load_model(self, target_model, *args, **kwargs) -> None:
         # Every target attention layer is checked now, at engine start: a layer
@@ -125,10 +128,12 @@ class DDTreeProposer(DFlashProposer):
         next_token_ids = kwargs["next_token_ids"]
         self._draft_logits = None
         self.last_tree = None
-        # A step without drafts never gets here: DDTreeVerifier.before_propose
+        # >>> auto budget
+        # A step without drafts never gets here: DDTreeVerifier.skip_drafter
         # queues its context K/V (defer_context) and returns no drafts.
         assert self.draft_this_step, "context-only steps are handled by the verifier"
         self.flush_context()
+        # <<< auto budget
         super().propose(num_speculative_tokens=self.draft_depth, **kwargs)
         logits = self._draft_logits
         assert logits is not None, "the DFlash pass produced no draft logits"
@@ -154,6 +159,7 @@ class DDTreeProposer(DFlashProposer):
             validate=False,
         )
 
+    # >>> auto budget
     def defer_context(
         self,
         target_hidden_states: torch.Tensor,
@@ -221,6 +227,8 @@ class DDTreeProposer(DFlashProposer):
             self.model.combine_hidden_states(hidden), positions, slots
         )
         self.flush_seconds += time.perf_counter() - started
+
+    # <<< auto budget
 
 
 def _with_draft_positions(vllm_config, num_positions: int):

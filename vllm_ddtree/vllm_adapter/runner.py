@@ -26,15 +26,18 @@ DFlash chain step:
    drafter sees exactly the committed sequence as context; the new trees are
    stashed.
 
-Besides: ``execute_model`` / ``sample_tokens`` time the step for the auto budget
+Besides: ``_update_states`` drops the trees of finished requests
+(:meth:`~DDTreeVerifier.drop_requests`), ``_input_fits_in_drafter`` sizes the
+drafter's query as a block (:meth:`~DDTreeVerifier.input_fits_in_drafter`) and
+``take_draft_token_ids`` sends the trees' parents with the drafts, for the
+scheduler's grammar bitmask (:meth:`~DDTreeVerifier.attach_draft_parents`).
+
+The auto budget (``ddtree_budget="auto"``, :mod:`.budget_control`) adds: the
+step timing of ``execute_model`` / ``sample_tokens``
 (:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),
-``initialize_kv_cache`` profiles its step costs
-(:meth:`~DDTreeVerifier.profile_step_costs`), ``_update_states`` drops the trees
-of finished requests (:meth:`~DDTreeVerifier.drop_requests`) and
-``_input_fits_in_drafter`` sizes the drafter's query as a block
-(:meth:`~DDTreeVerifier.input_fits_in_drafter`) and ``take_draft_token_ids``
-sends the trees' parents with the drafts, for the scheduler's grammar bitmask
-(:meth:`~DDTreeVerifier.attach_draft_parents`).
+the step-cost profile of ``initialize_kv_cache``
+(:meth:`~DDTreeVerifier.profile_step_costs`) and the drafter skipping of
+``propose_draft_token_ids`` (:meth:`~DDTreeVerifier.skip_drafter`).
 
 In vLLM with ddtree in-tree each of these is an explicit ``if self.ddtree is not
 None:`` branch of ``GPUModelRunner``; the plugin makes the same calls from a
@@ -62,8 +65,10 @@ from vllm_ddtree.vllm_adapter.structured_output import attach_draft_parents
 __all__ = ["DDTreeVerifier"]
 
 
+# >>> auto budget
 _BUDGET_LOG_INTERVAL_S = 10.0  # vLLM's default stats log interval
 logger = init_logger(__name__)
+# <<< auto budget
 
 
 class DDTreeVerifier:
@@ -105,6 +110,8 @@ class DDTreeVerifier:
             register_gpu_mla_tree_attention_backend()
         self.runner = runner
         self.config: DDTreeConfig = ddtree
+        self.stash = TreeStash()
+        # >>> auto budget
         self.budget = None
         if ddtree.budget_mode == "auto":
             from vllm_ddtree.vllm_adapter.budget_control import BudgetController
@@ -116,12 +123,13 @@ class DDTreeVerifier:
                 max_rows=runner.max_num_tokens,
                 max_reqs=runner.max_num_reqs,
             )
+            self.stash.keep_path_probs = True
         self._budget_logged = time.monotonic()
-        self.stash = TreeStash(keep_path_probs=self.budget is not None)
-        # This step's state, from prepare_tree_inputs to after_propose.
         self._step_clock: tuple[float, int, int, int] | None = None
         self._drafter_seconds = 0.0
         self._propose_started = 0.0
+        # <<< auto budget
+        # This step's state, from prepare_tree_inputs to after_propose.
         self._step: StepTrees | None = None
         self._linear_positions: torch.Tensor | None = None
         self._plan: CommitPlan | None = None
@@ -143,6 +151,7 @@ class DDTreeVerifier:
     # Engine life
     # ------------------------------------------------------------------ #
 
+    # >>> auto budget
     def profile_step_costs(self) -> None:
         """The auto budget's step-cost model, fitted on this machine (after the
         KV cache exists, before serving)."""
@@ -152,6 +161,7 @@ class DDTreeVerifier:
                 self.budget.track_recurrent_state()
             self.budget.profile(runner, min(runner.max_num_tokens, 512))
 
+    # <<< auto budget
     def input_fits_in_drafter(self, common_attn_metadata) -> bool:
         """Whether the drafter's query fits under max_model_len this step.
 
@@ -172,6 +182,7 @@ class DDTreeVerifier:
     # A step
     # ------------------------------------------------------------------ #
 
+    # >>> auto budget
     def step_started(self, scheduler_output) -> None:
         """Start of ``execute_model``: the auto budget times the step from here."""
         if self.budget is not None:
@@ -201,6 +212,7 @@ class DDTreeVerifier:
             self._budget_logged = now
             logger.info(self.budget.stats_line())
 
+    # <<< auto budget
     def drop_requests(self, scheduler_output) -> None:
         """Start of ``_update_states``: finished and preempted requests lose their
         trees. Unscheduled requests keep theirs (they leave the batch for a step
@@ -355,8 +367,10 @@ class DDTreeVerifier:
         out, logprobs = _verify_batch(
             self, step.tree, step.logit_rows, logits, extras, step
         )
+        # >>> auto budget
         if self.budget is not None:
             _calibrate(self, step, out)
+        # <<< auto budget
         total = int(self._linear_positions.shape[0])
         plan = plan_commit(out.accepted_indices, step.block_starts, total)
         if self._attn.requests:
@@ -374,19 +388,16 @@ class DDTreeVerifier:
         )
 
     def before_propose(
-        self, scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata
-    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+        self, aux_hidden_states: list[torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
         """Start of ``propose_draft_token_ids``: the drafter's inputs from the
-        committed path.
+        committed path (linear positions restored).
 
         Returns:
-            ``(aux_hidden_states, skipped)``: the target's aux hidden states with
-            each accepted path moved first in its block; and, when the auto budget
-            skips the drafter forward this step, the (empty) drafts to return at
-            once, else None.
+            The target's aux hidden states with each accepted path moved first
+            in its block.
         """
         runner = self.runner
-        drafter = runner.drafter
         plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -397,16 +408,32 @@ class DDTreeVerifier:
                 aux_hidden_states = [
                     _permute_rows(h, plan.hidden_perm) for h in aux_hidden_states
                 ]
+        return aux_hidden_states
+
+    # >>> auto budget
+    def skip_drafter(
+        self, scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata
+    ) -> torch.Tensor | None:
+        """After :meth:`before_propose`: whether the auto budget drafts this
+        step, and how deep.
+
+        Returns:
+            None to draft; else the (empty) drafts to return at once, the
+            drafter's forward skipped and the step's context K/V queued.
+        """
         budget = self.budget
         if budget is None:
-            return aux_hidden_states, None
+            return None
+        runner = self.runner
+        drafter = runner.drafter
+        plan = self._plan
         num_reqs = runner.input_batch.num_reqs
         self._propose_started = time.perf_counter()
         drafter.flush_seconds = 0.0
         drafter.draft_this_step = budget.draft_next(num_reqs)
         drafter.draft_depth = budget.draft_depth
         if drafter.draft_this_step:
-            return aux_hidden_states, None
+            return None
         # No drafts this step: the context K/V of its committed rows is queued
         # here (written before the next drafter forward), without vLLM's
         # drafter-input preparation (next tokens, rejected-row bookkeeping,
@@ -432,26 +459,28 @@ class DDTreeVerifier:
         budget.record_drafter(False, num_reqs, seconds - drafter.flush_seconds)
         self._step = None
         self._plan = None
-        return aux_hidden_states, torch.empty(
-            num_reqs, 0, dtype=torch.int64, device=runner.device
-        )
+        return torch.empty(num_reqs, 0, dtype=torch.int64, device=runner.device)
 
+    # <<< auto budget
     def after_propose(self, draft):
         """End of ``propose_draft_token_ids``: the new trees are stashed; the
         scheduler gets each request's real nodes."""
         runner = self.runner
         drafter = runner.drafter
-        budget = self.budget
         if drafter.last_tree is not None:
             num_reqs = runner.input_batch.num_reqs
             # Lists of each request's real nodes, not the [R, B] padded tensor:
             # the scheduler then schedules (and the spec-decode counters count)
             # real nodes only, and the stash finds the whole tree again.
             tree = drafter.last_tree
-            if budget is not None:
-                tree = dataclasses.replace(tree, num_nodes=budget.choose(tree))
+            # >>> auto budget
+            if self.budget is not None:
+                tree = dataclasses.replace(tree, num_nodes=self.budget.choose(tree))
+            # <<< auto budget
             draft = self.stash.put(list(runner.input_batch.req_ids[:num_reqs]), tree)
             drafter.last_tree = None
+        # >>> auto budget
+        budget = self.budget
         if budget is not None:
             seconds = time.perf_counter() - self._propose_started
             self._drafter_seconds = seconds
@@ -464,6 +493,7 @@ class DDTreeVerifier:
                 seconds - drafter.flush_seconds,
                 drafter.draft_depth,
             )
+        # <<< auto budget
         self._step = None
         self._plan = None
         return draft
@@ -475,6 +505,7 @@ class DDTreeVerifier:
         return attach_draft_parents(draft_token_ids, self.stash)
 
 
+# >>> auto budget
 def _committed_rows(step: StepTrees, plan: CommitPlan) -> torch.Tensor:
     """[T] bool: the rows of a verify step whose tokens were committed, every
     row but each tree block's rejected tail (its accepted path having been moved
@@ -493,6 +524,7 @@ def _committed_rows(step: StepTrees, plan: CommitPlan) -> torch.Tensor:
     return committed[:num_rows]
 
 
+# <<< auto budget
 def _permute_rows(hidden: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """hidden[:T] reordered by perm; rows past T (padding) untouched."""
     out = hidden.clone()
@@ -743,6 +775,7 @@ def _verify_batch(
     return out, logprobs
 
 
+# >>> auto budget
 def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     """Feeds the auto budget what the target accepted of the verified trees."""
     req_ids = verifier.runner.input_batch.req_ids
@@ -763,6 +796,9 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
         # Requests verified as a chain (no stored probabilities) count nowhere.
         accepted = torch.where(verified.any(dim=1), out.num_accepted, 0)
         verifier.budget.calibration.update(probs, tree.depths, verified, accepted)
+
+
+# <<< auto budget
 
 
 _ROOT_TREES: dict[tuple[int, str], object] = {}

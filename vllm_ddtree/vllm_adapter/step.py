@@ -33,11 +33,14 @@ logger = init_logger(__name__)
 class TreeStash:
     """req_id -> (node tokens [n], parents [n + 1]) of the last proposed tree."""
 
-    def __init__(self, keep_path_probs: bool = False) -> None:
+    def __init__(self) -> None:
         self._trees: dict[str, tuple[list[int], list[int]]] = {}
-        # req_id -> draft path probability of each stored node (auto budgets).
-        self.keep_path_probs = keep_path_probs
+        # >>> auto budget
+        # Set by the auto budget: req_id -> draft path probability of each
+        # stored node, what its acceptance calibration learns from.
+        self.keep_path_probs = False
         self._path_probs: dict[str, list[float]] = {}
+        # <<< auto budget
         # Requests whose scheduled drafts matched no stored tree (verified as a
         # chain): vLLM blanked or replaced them, or the tree was lost.
         self.num_chain_fallbacks = 0
@@ -51,22 +54,28 @@ class TreeStash:
         # token ids < 2**53 and for float32 probabilities).
         rows = tree.tokens.shape[1]
         parts = [tree.tokens, tree.parents, tree.num_nodes.unsqueeze(1)]
+        # >>> auto budget
         if self.keep_path_probs:
             parts.append(tree.scores.exp())
+        # <<< auto budget
         host = torch.cat([x.double() for x in parts], dim=1).cpu()
         tokens = host[:, :rows].long().tolist()
         parents = host[:, rows : 2 * rows].long().tolist()
         counts = host[:, 2 * rows].long().tolist()
-        probs = host[:, 2 * rows + 1 :].float().tolist() if self.keep_path_probs else None
         drafts = []
         for b, req_id in enumerate(req_ids):
             n = counts[b]
             self._trees[req_id] = (tokens[b][1 : n + 1], parents[b][: n + 1])
-            if probs is not None:
-                self._path_probs[req_id] = probs[b][1 : n + 1]
             drafts.append(tokens[b][1 : n + 1])
+        # >>> auto budget
+        if self.keep_path_probs:
+            probs = host[:, 2 * rows + 1 :].float().tolist()
+            for b, req_id in enumerate(req_ids):
+                self._path_probs[req_id] = probs[b][1 : counts[b] + 1]
+        # <<< auto budget
         return drafts
 
+    # >>> auto budget
     def path_probs_for(self, req_id: str, scheduled: list[int]) -> list[float] | None:
         """Draft path probabilities of the scheduled drafts, if they are a
         prefix of the stored tree (else None: nothing to calibrate with)."""
@@ -77,11 +86,14 @@ class TreeStash:
             return None
         return probs[:n]
 
+    # <<< auto budget
     def drop(self, req_ids) -> None:
         """Forgets the trees of ``req_ids`` (finished or preempted requests)."""
         for req_id in req_ids or ():
             self._trees.pop(req_id, None)
+            # >>> auto budget
             self._path_probs.pop(req_id, None)
+            # <<< auto budget
 
     def __len__(self) -> int:
         return len(self._trees)
