@@ -120,7 +120,32 @@ BUDGET_FILES = {
 BUDGET_BEGIN = "# >>> auto budget"
 BUDGET_END = "# <<< auto budget"
 # (source, old, new): prose of the integration commit without the auto budget.
-FIXED_BUDGET_REWRITES: list[tuple[str, str, str]] = []
+FIXED_BUDGET_REWRITES = [
+    (
+        "vllm_ddtree/vllm_adapter/runner.py",
+        "The auto budget (``ddtree_budget=\"auto\"``, :mod:`.budget_control`) adds: the\n"
+        "step timing of ``execute_model`` / ``sample_tokens``\n"
+        "(:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),\n"
+        "the step-cost profile of ``initialize_kv_cache``\n"
+        "(:meth:`~DDTreeVerifier.profile_step_costs`) and the drafter skipping of\n"
+        "``propose_draft_token_ids`` (:meth:`~DDTreeVerifier.skip_drafter`).\n\n",
+        "",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/config.py",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) and\n"
+        "        ``budget_mode`` set.\n",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) set.\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/config.py",
+        "(vLLM's Dynamic SD table of draft lengths per batch size): use \"\n"
+        "            \"ddtree_budget='auto', which sizes each request's tree every step \"\n"
+        "            \"from measured step costs, with num_speculative_tokens as the bound\"\n",
+        "(vLLM's Dynamic SD table of draft lengths per batch size): every \"\n"
+        "            \"tree has num_speculative_tokens nodes\"\n",
+    ),
+]
 TEST_FILES = {
     "tests/conftest.py": f"{TESTS}/conftest.py",
     "vllm_ddtree/tiny_models.py": f"{TESTS}/tiny_models.py",
