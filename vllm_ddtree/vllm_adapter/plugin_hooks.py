@@ -24,7 +24,11 @@ import functools
 import os
 from typing import Any
 
-from vllm_ddtree.vllm_adapter.checks import gpu_backend_per_kind, gpu_engine_settings
+from vllm_ddtree.vllm_adapter.checks import (
+    gpu_backend_per_kind,
+    gpu_compilation_settings,
+    gpu_engine_settings,
+)
 from vllm_ddtree.vllm_adapter.config import (
     DDTREE_KEYS,
     DDTREE_METHOD,
@@ -103,7 +107,7 @@ def speculative_config_hook(create_speculative_config):
                     target_model_config.use_mla,
                     self.attention_config.backend_per_kind,
                 )
-                target_model_config.enforce_eager = True
+                gpu_compilation_settings(self.compilation_config)
             # A plain attribute: SpeculativeConfig forbids unknown *fields*, not
             # attributes, and pickles its __dict__ to engine and worker processes.
             object.__setattr__(result, "ddtree", ddtree)
