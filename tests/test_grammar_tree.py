@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Grammar-guided tree construction (vllm_ddtree.grammar_tree) with xgrammar,
+through vLLM's XgrammarGrammar: every node reachable, the exact top-B of the
+renormalised score (brute force), forced runs free and past the drafter's depth,
+the matcher left where it was."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+xgr = pytest.importorskip("xgrammar")
+
+from test_tree_bitmask import VOCAB, compiler  # noqa: E402, F401
+from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
+
+from vllm_ddtree.grammar_tree import GrammarCursor, build_grammar_tree  # noqa: E402
+
+ALPHABET = list(b"abc-0123456789x{}\":")
+
+
+def grammar_for(compiler, regex: str, committed: bytes = b"") -> XgrammarGrammar:  # noqa: F811
+    ctx = compiler.compile_regex(regex)
+    grammar = XgrammarGrammar(matcher=xgr.GrammarMatcher(ctx), vocab_size=VOCAB, ctx=ctx)
+    assert grammar.accept_tokens("r", list(committed))
+    return grammar
+
+
+def drafter_top_k(rng: np.random.Generator, depth: int, k: int):
+    """[L, K] descending log-probs over K distinct tokens of ALPHABET per depth."""
+    tokens = np.stack([rng.choice(ALPHABET, size=k, replace=False) for _ in range(depth)])
+    logits = rng.normal(size=(depth, len(ALPHABET))) * 2
+    lp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    idx = np.array([[ALPHABET.index(t) for t in row] for row in tokens])
+    chosen = np.take_along_axis(lp, idx, axis=1)
+    order = np.argsort(-chosen, axis=1)
+    return np.take_along_axis(chosen, order, 1), np.take_along_axis(tokens, order, 1)
+
+
+def allowed_tokens(grammar) -> list[int]:
+    """Every token the matcher accepts next (tried one by one)."""
+    out = []
+    for token in range(VOCAB):
+        if grammar.matcher.accept_token(token):
+            grammar.matcher.rollback(1)
+            out.append(token)
+    return out
+
+
+def brute_force(grammar, log_probs, token_ids, budget):
+    """Every grammar-valid path of candidates, scored with each depth's
+    candidates renormalised over those the grammar allows after the path (a
+    token the grammar forces: probability 1); the top ``budget`` by score."""
+    depth_limit = log_probs.shape[0]
+    scored = {}
+    frontier = [((), 0.0)]
+    for depth in range(depth_limit):
+        nxt = []
+        for path, score in frontier:
+            assert grammar.accept_tokens("r", list(path))
+            if grammar.is_terminated():
+                grammar.rollback(len(path))
+                continue
+            allowed = allowed_tokens(grammar)
+            if path:
+                grammar.rollback(len(path))
+            if len(allowed) == 1:
+                child = (path + (allowed[0],), score)
+                scored[child[0]] = child[1]
+                nxt.append(child)
+                continue
+            ok = np.isin(token_ids[depth], allowed)
+            if not ok.any():
+                continue
+            lp = log_probs[depth][ok]
+            norm = np.logaddexp.reduce(lp)
+            for t, v in zip(token_ids[depth][ok], lp, strict=True):
+                child = (path + (int(t),), score + float(v - norm))
+                scored[child[0]] = child[1]
+                nxt.append(child)
+        frontier = nxt
+    best = sorted(scored.items(), key=lambda kv: -kv[1])[:budget]
+    return {p for p, _ in best}
+
+
+def tree_paths(tree):
+    paths = [()]
+    for node in range(1, len(tree.tokens)):
+        paths.append(paths[tree.parents[node]] + (tree.tokens[node],))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tree_is_the_top_b_of_reachable_paths(compiler, seed):  # noqa: F811
+    rng = np.random.default_rng(seed)
+    regex = r"[a-c]{2}(-[0-9]{1,3}){1,3}x"
+    grammar = grammar_for(compiler, regex, b"ab")
+    log_probs, token_ids = drafter_top_k(rng, depth=5, k=6)
+    budget = 12
+    before = grammar.num_processed_tokens
+    tree = build_grammar_tree(
+        log_probs, token_ids, budget, root_token=ord("b"),
+        grammar_at=GrammarCursor(grammar, VOCAB),
+    )
+    assert grammar.num_processed_tokens == before  # the matcher is where it was
+    paths = tree_paths(tree)
+    # Every node is reachable: its path is accepted by a fresh matcher.
+    for path in paths[1:]:
+        assert grammar.accept_tokens("r", list(path)), path
+        grammar.rollback(len(path))
+    # Parents first, scores non-increasing along each path and in node order.
+    assert all(tree.parents[i] < i for i in range(1, len(paths)))
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(tree.log_scores))
+    want = brute_force(grammar, log_probs, token_ids, budget)
+    assert set(paths[1:]) == want
+    assert 0 < tree.num_nodes <= budget
+
+
+def test_forced_tokens_are_free_and_reach_past_the_drafter(compiler):  # noqa: F811
+    """After '{' the grammar forces '"k":"' (5 tokens); the drafter proposes
+    none of them. Their probability is 1: the whole run is in the tree (score
+    0), deeper than the drafter's 3 positions when max_depth allows."""
+    grammar = grammar_for(compiler, r'\{"k":"[ab]+"\}', b"{")
+    rng = np.random.default_rng(0)
+    log_probs, token_ids = drafter_top_k(rng, depth=3, k=4)
+    token_ids[:] = np.array([ord("0"), ord("1"), ord("2"), ord("3")])  # never allowed
+    forced = list(b'"k":"')
+    shallow = build_grammar_tree(log_probs, token_ids, 8, ord("{"),
+                                 GrammarCursor(grammar, VOCAB))
+    assert shallow.tokens[1:] == forced[:3]
+    assert shallow.log_scores == [0.0] * 4
+    deep = build_grammar_tree(log_probs, token_ids, 8, ord("{"),
+                              GrammarCursor(grammar, VOCAB), max_depth=8)
+    assert deep.tokens[1:6] == forced and deep.parents[1:6] == [0, 1, 2, 3, 4]
+    # Past the forced run ("[ab]+") the drafter has no depth left: nothing more.
+    assert deep.num_nodes == 5
+    assert all(math.isclose(s, 0.0) for s in deep.log_scores)
+
+
+def test_a_terminated_path_has_no_children(compiler):  # noqa: F811
+    grammar = grammar_for(compiler, r"a[0-9]", b"a")
+    log_probs = np.log(np.full((3, 2), 0.5))
+    token_ids = np.array([[ord("1"), ord("2")]] * 3)
+    tree = build_grammar_tree(log_probs, token_ids, 8, ord("a"),
+                              GrammarCursor(grammar, VOCAB))
+    # After a digit only the stop token is allowed (forced), then nothing.
+    assert sorted(tree.tokens[1:3]) == [ord("1"), ord("2")]
+    assert all(math.isclose(s, math.log(0.5)) for s in tree.log_scores[1:3])
+    assert all(tree.rows[i] is None or tree.rows[i].forced is not None
+               for i in range(1, 3))
