@@ -1659,11 +1659,10 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         gdn_edits(tree)
         config_edits(tree)
         runner_edits(tree)
-        stripped = [ADAPTER_FILES[s] for s in ADAPTER_FILES if has_budget_code(s)]
-        ruff(tree, new, unused_imports=stripped)
+        budgeted = {s: d for s, d in ADAPTER_FILES.items() if has_budget_code(s)}
+        ruff(tree, new, unused_imports=list(budgeted.values()))
         commit(tree, MESSAGES["integration"])
 
-        budgeted = {s: d for s, d in ADAPTER_FILES.items() if has_budget_code(s)}
         new = copy_files(tree, BUDGET_FILES) + copy_files(tree, budgeted)
         budget_edits(tree)
         ruff(tree, new)

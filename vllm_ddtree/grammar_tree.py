@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 __all__ = [
     "GrammarCursor",
@@ -87,8 +88,9 @@ class GrammarCursor:
 
     def __init__(self, grammar, vocab_size: int, request_id: str = "") -> None:
         self.grammar = grammar
-        self.words = (vocab_size + 31) // 32
         self.request_id = request_id
+        # [1, ceil(V / 32)] the row the grammar fills, reused by every node.
+        self._row = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
 
     def __call__(self, path: Sequence[int]) -> NodeGrammar | None:
         grammar = self.grammar
@@ -100,11 +102,9 @@ class GrammarCursor:
                 accepted += 1
             if grammar.is_terminated():
                 return None
-            import torch
-
-            row = torch.full((1, self.words), -1, dtype=torch.int32)
-            grammar.fill_bitmask(row, 0)
-            bits = row[0].numpy().copy()
+            self._row.fill_(-1)
+            grammar.fill_bitmask(self._row, 0)
+            bits = self._row[0].numpy().copy()
         finally:
             if accepted:
                 grammar.rollback(accepted)

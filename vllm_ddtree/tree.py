@@ -240,17 +240,13 @@ def build_ddtree(
         The :class:`DraftTree` with N = max budget node rows per request.
     """
     _check_draft_logits(draft_logits, validate)
-    num_reqs, depth_limit, vocab = draft_logits.shape
+    num_reqs, depth_limit, _ = draft_logits.shape
     device = draft_logits.device
     cap, per_req_budget = _resolve_budget(budget, num_reqs, max_budget)
     if cap == 0:
         return _empty_tree(num_reqs, depth_limit, root_token_ids, device)
 
-    k = _children_per_depth(cap, vocab, max_children)
-    if top_k is None:
-        log_probs, token_ids = draft_top_k(draft_logits, k)
-    else:
-        log_probs, token_ids = top_k[0][..., :k].float(), top_k[1][..., :k]
+    k, log_probs, token_ids = _draft_candidates(draft_logits, cap, max_children, top_k)
 
     # Per depth, the top `cap` nodes in tie-break order: their scores, and which
     # (parent position in the previous depth's list, draft rank) pair made each.
@@ -321,6 +317,21 @@ def build_ddtree(
     )
     num_nodes = valid.sum(dim=1)
     return _finish_tree(tokens, parents, depths, scores, num_nodes, depth_limit)
+
+
+def _draft_candidates(
+    draft_logits: torch.Tensor,
+    cap: int,
+    max_children: int | None,
+    top_k: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(k, log-probs, token ids)``: the k = min(cap, V, max_children)
+    candidate draft tokens per depth every builder chooses from ([R, L, k]
+    float32 and ids), from ``top_k`` when given."""
+    k = _children_per_depth(cap, draft_logits.shape[-1], max_children)
+    if top_k is None:
+        return k, *draft_top_k(draft_logits, k)
+    return k, top_k[0][..., :k].float(), top_k[1][..., :k]
 
 
 def _children_per_depth(cap: int, vocab: int, max_children: int | None) -> int:

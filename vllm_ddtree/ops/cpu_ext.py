@@ -26,10 +26,9 @@ from vllm_ddtree.ops.extension import load_extension
 from vllm_ddtree.tree import (
     DraftTree,
     _check_draft_logits,
-    _children_per_depth,
+    _draft_candidates,
     _empty_tree,
     _resolve_budget,
-    draft_top_k,
 )
 
 __all__ = ["available", "build_ddtree_cpu", "load", "load_error"]
@@ -92,15 +91,11 @@ def build_ddtree_cpu(
             "build_ddtree_cpu needs CPU tensors and the compiled CPU extension "
             f"(device {draft_logits.device}; extension: {load_error() or 'loaded'})"
         )
-    num_reqs, depth_limit, vocab = draft_logits.shape
+    num_reqs, depth_limit, _ = draft_logits.shape
     cap, per_req_budget = _resolve_budget(budget, num_reqs, max_budget)
     if cap == 0:
         return _empty_tree(num_reqs, depth_limit, root_token_ids, draft_logits.device)
-    k = _children_per_depth(cap, vocab, max_children)
-    if top_k is None:
-        log_probs, token_ids = draft_top_k(draft_logits, k)
-    else:
-        log_probs, token_ids = top_k[0][..., :k].float(), top_k[1][..., :k]
+    _, log_probs, token_ids = _draft_candidates(draft_logits, cap, max_children, top_k)
     if per_req_budget is None:
         budgets = torch.full((num_reqs,), cap, dtype=torch.int64)
     else:
