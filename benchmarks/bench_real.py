@@ -120,12 +120,12 @@ class StepTimers:
         self.wrap(model_runner.model, "compute_logits", "logits")
 
     def install(self) -> None:
-        from vllm_ddtree.vllm_adapter import attn_context, proposer, runner, step
+        from vllm_ddtree.vllm_adapter import attn_context, draft_trees, proposer, runner
 
         self.wrap(proposer, "build_ddtree", "tree_build")
         # Inside "draft": the drafter's LM head (and, for a reduced vocabulary, only it).
         self.wrap(proposer.DDTreeProposer, "_compute_draft_logits", "draft_logits")
-        self.wrap(step.TreeStash, "put", "tree_stash")
+        self.wrap(draft_trees.ProposedTrees, "put", "tree_stash")
         self.wrap(runner, "build_step_trees", "tree_attach")
         self.wrap(attn_context.TreeAttentionBatch, "from_tree", "tree_attach")
         self.wrap(runner, "plan_commit", "commit")

@@ -105,9 +105,11 @@ ADAPTER_FILES = {
         "gdn_state",
         "gpu_gdn",
         "requests",
+        "draft_trees",
         "structured_output",
     )
 }
+ADAPTER_FILES["vllm_ddtree/grammar_tree.py"] = f"{INTREE}/grammar_tree.py"
 # The auto budget (``ddtree_budget="auto"``) is a commit of its own, after the
 # integration commit: these modules, and the lines of the plugin's modules
 # between whole-line markers BUDGET_BEGIN / BUDGET_END (the integration commit
@@ -156,6 +158,8 @@ TEST_FILES = {
     "tests/test_e2e_cpu.py": f"{TESTS}/test_e2e.py",
     "tests/test_e2e_config.py": f"{TESTS}/test_config.py",
     "tests/test_tree_bitmask.py": f"{TESTS}/test_tree_bitmask.py",
+    "tests/test_grammar_tree.py": f"{TESTS}/test_grammar_tree.py",
+    "tests/test_draft_trees.py": f"{TESTS}/test_draft_trees.py",
     "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
     "tests/_law_utils.py": f"{TESTS}/law_utils.py",
     "vllm_ddtree/references.py": f"{TESTS}/references.py",
@@ -176,6 +180,10 @@ IMPORT_REWRITES = [
     ),
     ("vllm_ddtree.tiny_models", "tests.v1.spec_decode.ddtree.tiny_models"),
     ("from _law_utils import", "from tests.v1.spec_decode.ddtree.law_utils import"),
+    (
+        "from test_tree_bitmask import",
+        "from tests.v1.spec_decode.ddtree.test_tree_bitmask import",
+    ),
     ("vllm_ddtree.references", "tests.v1.spec_decode.ddtree.references"),
     ("vllm_ddtree.", "vllm.v1.spec_decode.ddtree."),
 ]
@@ -351,28 +359,80 @@ REQUEST_EDITS = [
         "            if request_id != request.request_id:\n",
     ),
 ]
-# Structured outputs on draft trees: the trees' parents ride with the drafts to
-# the scheduler, whose grammar bitmask walks them (vllm_adapter/structured_output.py;
-# the plugin's P8-P10 wrap the same methods).
+# The draft trees' round trip (vllm_adapter/draft_trees.py): the trees' parents
+# ride with the drafts to the scheduler, which builds structured requests' trees
+# with their grammars and sends the structure of what it scheduled back to the
+# workers; its grammar bitmask has one row per node (structured_output.py; the
+# plugin's P8-P10 wrap the same methods).
 _TREE_MODULE = "vllm.v1.spec_decode.ddtree.structured_output"
+_ROUND_TRIP_MODULE = "vllm.v1.spec_decode.ddtree.draft_trees"
 STRUCTURED_EDITS = [
+    (
+        "vllm/v1/outputs.py",
+        "from typing import TYPE_CHECKING, NamedTuple, TypeAlias\n",
+        "from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias\n",
+    ),
+    (
+        "vllm/v1/core/sched/output.py",
+        "from typing import TYPE_CHECKING\n",
+        "from typing import TYPE_CHECKING, Any\n",
+    ),
     (
         "vllm/v1/outputs.py",
         "    # num_reqs x num_draft_tokens\n    draft_token_ids: list[list[int]]\n",
         "    # num_reqs x num_draft_tokens\n    draft_token_ids: list[list[int]]\n"
         "    # ddtree: num_reqs x (num_draft_tokens + 1), each draft tree's parents\n"
         "    # (root first, node order).\n"
-        "    draft_parents: list[list[int]] | None = None\n",
+        "    draft_parents: list[list[int]] | None = None\n"
+        "    # ddtree with the auto budget: each node's draft path probability.\n"
+        "    draft_path_probs: list[list[float] | None] | None = None\n"
+        "    # ddtree: req_id -> the drafter's candidates of a structured request\n"
+        "    # (GrammarCandidates), whose tree the scheduler builds with its grammar.\n"
+        "    draft_candidates: dict[str, Any] | None = None\n",
+    ),
+    (
+        "vllm/v1/core/sched/output.py",
+        "    # Dynamic speculative decoding: optimal K chosen by scheduler.\n"
+        "    # Number of spec tokens to schedule for the next step.\n"
+        "    num_spec_tokens_to_schedule: int = 0\n",
+        "    # Dynamic speculative decoding: optimal K chosen by scheduler.\n"
+        "    # Number of spec tokens to schedule for the next step.\n"
+        "    num_spec_tokens_to_schedule: int = 0\n\n"
+        "    # ddtree: req_id -> the tree of its scheduled draft tokens\n"
+        "    # (ScheduledDraftTree: parents, path probabilities).\n"
+        "    scheduled_draft_trees: dict[str, Any] = field(default_factory=dict)\n",
+    ),
+    (
+        "vllm/v1/core/sched/scheduler.py",
+        "            num_spec_tokens_to_schedule=num_spec_tokens_to_schedule,\n",
+        "            num_spec_tokens_to_schedule=num_spec_tokens_to_schedule,\n"
+        "            scheduled_draft_trees=self._scheduled_draft_trees(\n"
+        "                scheduled_spec_decode_tokens\n"
+        "            ),\n",
     ),
     (
         "vllm/v1/core/sched/scheduler.py",
         "    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:\n",
+        "    def _scheduled_draft_trees(\n"
+        "        self, scheduled_spec_decode_tokens: dict[str, list[int]]\n"
+        "    ) -> dict[str, Any]:\n"
+        "        spec_config = self.vllm_config.speculative_config\n"
+        "        if spec_config is None or not spec_config.use_ddtree():\n"
+        "            return {}\n"
+        f"        from {_ROUND_TRIP_MODULE} import scheduled_draft_trees\n\n"
+        "        return scheduled_draft_trees(self.requests, scheduled_spec_decode_tokens)\n\n"
         "    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:\n"
         "        if draft_token_ids.draft_parents is not None:\n"
-        "            # ddtree: the drafts are trees; their structure is kept for the\n"
-        "            # grammar bitmask.\n"
-        f"            from {_TREE_MODULE} import store_draft_trees\n\n"
-        "            store_draft_trees(self.requests, draft_token_ids)\n",
+        "            # ddtree: the drafts are trees, kept with their structure; a\n"
+        "            # structured request's tree is built with its grammar.\n"
+        "            from functools import partial\n\n"
+        f"            from {_ROUND_TRIP_MODULE} import store_draft_trees\n"
+        f"            from {_TREE_MODULE} import grammar_draft_tree\n\n"
+        "            store_draft_trees(\n"
+        "                self.requests,\n"
+        "                draft_token_ids,\n"
+        "                partial(grammar_draft_tree, self.structured_output_manager),\n"
+        "            )\n",
     ),
     (
         "vllm/v1/structured_output/__init__.py",
@@ -984,8 +1044,8 @@ RUNNER_EDITS = [
         "        return DraftTokenIds(req_ids, draft_token_ids)\n",
         "        draft_token_ids, req_ids = self._get_draft_token_ids_cpu()\n"
         "        if self.ddtree is not None:\n"
-        "            # The trees' structure, for the scheduler's grammar bitmask.\n"
-        "            return self.ddtree.attach_draft_parents(\n"
+        "            # The trees' structure (and structured requests' candidates).\n"
+        "            return self.ddtree.attach_draft_trees(\n"
         "                DraftTokenIds(req_ids, draft_token_ids)\n"
         "            )\n"
         "        return DraftTokenIds(req_ids, draft_token_ids)\n",

@@ -20,6 +20,7 @@ import pytest
 
 from vllm_ddtree import tiny_models
 from vllm_ddtree.vllm_adapter import runner as runner_module
+from vllm_ddtree.vllm_adapter.draft_trees import record_of
 
 vllm = pytest.importorskip("vllm")
 
@@ -83,7 +84,7 @@ def generate(
         "branch_paths": int(runner.ddtree.num_branch_paths)
         if runner is not None
         else 0,
-        "chain_fallbacks": runner.ddtree.stash.num_chain_fallbacks
+        "chain_fallbacks": runner.ddtree.num_chain_fallbacks
         if runner is not None
         else 0,
         # The drafter's query rows per request (its buffers) and its block.
@@ -237,7 +238,11 @@ def test_abort_mid_generation_frees_everything(models, reference):
     engine.add_request("abort-me", {"prompt_token_ids": p[0]}, long)
     for _ in range(4):
         engine.step()
-    assert any("abort-me" in r for r in runner.ddtree.stash._trees)
+    # The scheduler keeps the request's tree on its Request; the worker keeps
+    # none across steps.
+    (aborted,) = [r for i, r in core.scheduler.requests.items() if "abort-me" in i]
+    assert record_of(aborted) is not None
+    assert len(runner.ddtree.proposed) == 0
     engine.abort_request(["abort-me"])
     params = vllm.SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
@@ -246,7 +251,8 @@ def test_abort_mid_generation_frees_everything(models, reference):
         [{"prompt_token_ids": q} for q in p[1:3]], params, use_tqdm=False
     )
     assert [list(o.outputs[0].token_ids) for o in outs] == ref["oracle"][1:3]
-    assert not any("abort-me" in r for r in runner.ddtree.stash._trees)
+    assert not any("abort-me" in i for i in core.scheduler.requests)
+    assert len(runner.ddtree.proposed) == 0
     assert core.scheduler.kv_cache_manager.usage == 0.0
     del llm
 

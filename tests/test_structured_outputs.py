@@ -6,9 +6,13 @@ models written at test time; the random target puts its greedy choice anywhere
 in the grammar's allowed set, so any wrong bitmask row shows up as a different
 token (or as a request ending in error when an off-grammar token is committed).
 
-* random drafter, json_schema / regex / choice / json_object, batch 1 and a
-  batch mixing constrained and unconstrained requests: token-identical greedy
-  output, and every finished output parses / matches;
+* random drafter, json_schema / regex / choice / json_object / a tool-call
+  schema, batch 1 and a batch mixing constrained and unconstrained requests:
+  token-identical greedy output, every finished output parses / matches, and
+  every node of every grammar-built tree is one the grammar accepts after the
+  committed output (checked at scheduling, with vLLM's own ``validate_tokens``);
+* forced runs: a drafter that proposes only tokens the grammar rejects still
+  gets the grammar's forced tokens verified, and accepted in one step;
 * scripted siblings: the true (constrained) continuation at rank 1 of every
   depth, a wrong token at rank 0: only a tree with per-path grammar rows
   accepts full depth and stays identical;
@@ -44,6 +48,26 @@ SCHEMA = {
     "required": ["id", "ok", "tag"],
     "additionalProperties": False,
 }
+# A tool call: nested objects, enums, an array (what agent traffic sends).
+TOOL_CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["get_weather", "get_time"]},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "units": {"enum": ["C", "F"]},
+                "days": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9}, "maxItems": 3},
+            },
+            "required": ["city", "units", "days"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
 REGEX = r"[a-f]{3}-[0-9]{2,4}(,[a-f]{2})?"
 CHOICES = ["alpha", "beta", "gamma delta"]
 
@@ -52,6 +76,7 @@ CONSTRAINTS = {
     "regex": StructuredOutputsParams(regex=REGEX),
     "choice": StructuredOutputsParams(choice=CHOICES),
     "json_object": StructuredOutputsParams(json_object=True),
+    "tool_call": StructuredOutputsParams(json=TOOL_CALL),
 }
 
 
@@ -70,6 +95,10 @@ def check_output(kind: str, text: str, finished: bool) -> None:
         assert text in CHOICES, text
     elif kind == "json_object":
         assert isinstance(json.loads(text), dict), text
+    elif kind == "tool_call":
+        value = json.loads(text)
+        assert value["name"] in ("get_weather", "get_time"), text
+        assert set(value["arguments"]) == {"city", "units", "days"}, text
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +173,7 @@ def generate(target, requests, speculative_config=None):
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
         stats["branch_paths"] = int(runner.ddtree.num_branch_paths)
-        stats["chain_fallbacks"] = runner.ddtree.stash.num_chain_fallbacks
+        stats["chain_fallbacks"] = runner.ddtree.num_chain_fallbacks
     del llm
     return results, stats
 
@@ -172,10 +201,44 @@ def test_reference_follows_the_constraints(batch, reference):
     assert finished >= 4  # the short grammars finish within MAX_TOKENS
 
 
+@pytest.fixture
+def checked_trees(monkeypatch):
+    """Counts the grammar-built trees' scheduled nodes, each checked, as it is
+    scheduled, against the request's grammar with vLLM's ``validate_tokens``
+    (a path the grammar rejects is cut short there): {"trees", "nodes",
+    "unreachable"}."""
+    from vllm_ddtree.vllm_adapter import plugin_hooks
+
+    counts = {"trees": 0, "nodes": 0, "unreachable": 0}
+    scheduled = plugin_hooks.scheduled_draft_trees
+
+    def checking(requests, scheduled_tokens):
+        trees = scheduled(requests, scheduled_tokens)
+        for req_id, tree in trees.items():
+            if not tree.grammar_shaped:
+                continue
+            grammar = requests[req_id].structured_output_request.grammar
+            tokens = scheduled_tokens[req_id]
+            counts["trees"] += 1
+            for node in range(1, len(tree.parents)):
+                path, v = [], node
+                while v > 0:
+                    path.append(tokens[v - 1])
+                    v = tree.parents[v]
+                counts["nodes"] += 1
+                if len(grammar.validate_tokens(path[::-1])) != len(path):
+                    counts["unreachable"] += 1
+        return trees
+
+    monkeypatch.setattr(plugin_hooks, "scheduled_draft_trees", checking)
+    return counts
+
+
 @pytest.mark.parametrize("size", [1, "all"])
-def test_random_drafter_is_lossless(models, batch, reference, size):
+def test_random_drafter_is_lossless(models, batch, reference, size, checked_trees):
     """Batch 1 (each constraint alone) and the whole mixed batch."""
     groups = [[i] for i in range(len(CONSTRAINTS))] if size == 1 else [range(len(batch))]
+    drafts = 0
     for group in groups:
         out, stats = generate(models[0], [batch[i] for i in group], ddtree(models[1]))
         for i, got in zip(group, out, strict=True):
@@ -184,7 +247,12 @@ def test_random_drafter_is_lossless(models, batch, reference, size):
             assert got[0] == reference[i][0], (kind, got[1], reference[i][1])
             if kind:
                 check_output(kind, got[1], got[2])
-        assert stats["drafts"] > 0
+        # Grammar-built trees only hold allowed nodes: a random drafter whose
+        # top candidates the grammar rules out drafts nothing for a request.
+        drafts += stats["drafts"]
+    assert drafts > 0
+    assert checked_trees["trees"] > 0 and checked_trees["nodes"] > 0, checked_trees
+    assert checked_trees["unreachable"] == 0, checked_trees
 
 
 def test_siblings_are_accepted_under_the_grammar(
@@ -208,6 +276,30 @@ def test_siblings_are_accepted_under_the_grammar(
     assert stats["chain_fallbacks"] == 0, stats
     assert stats["branch_paths"] > 0, stats
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.7 * BLOCK_SIZE, stats
+
+
+def test_forced_runs_are_accepted_in_full(models, scripted_drafter):
+    """A drafter that proposes only a token the grammar never allows ('z'):
+    after a choice's first character the grammar forces the rest (and the end
+    of the output), so the grammar-built tree is that run, past the drafter's
+    L = 4 positions, and the target accepts all of it in one verify step."""
+    target, drafter = models
+    requests = [(p, "choice") for p in prompts(3, seed=5)]
+    reference, _ = generate(target, requests)
+
+    def junk(proposer, runner, req_ids, committed, logits):
+        script = torch.zeros_like(logits)
+        script[:, ord("z")] = 8.0
+        return script
+
+    scripted_drafter(junk)
+    for request, ref in zip(requests, reference, strict=True):
+        out, stats = generate(target, [request], ddtree(drafter, 16))
+        assert out[0][0] == ref[0] and out[0][1] in CHOICES, (out, ref)
+        # The first token comes from the prefill step; every later one from the
+        # one tree.
+        assert stats["drafts"] == 1, stats
+        assert stats["accepted"] == len(ref[0]) - 1 > BLOCK_SIZE - 1, (stats, ref)
 
 
 def test_other_grammar_backends_are_refused_per_request(models):

@@ -12,6 +12,9 @@ each worker holds its own heads' K/V and its slice of every expert):
 * greedy ddtree == greedy without speculation, token for token, with trees
   verified and sibling paths committed on both workers alike (per-worker
   counters, read with ``collective_rpc``);
+* structured requests (a regex, a JSON object): their grammar-built trees reach
+  both workers with the scheduler's output, greedy output as without
+  speculation;
 * T = 1: both workers sample the same tokens at every step. As for vLLM's own
   sampler under TP, this rests on every worker drawing the same random numbers
   (same seed, same calls): the KV commit, the drafter's next round and the next
@@ -81,6 +84,18 @@ def main():
         entry = {"greedy": [list(o.outputs[0].token_ids) for o in outs]}
         if spec is not None:
             entry["greedy_counters"] = llm.collective_rpc(counters)
+        # Structured requests: their trees are built in the engine core with
+        # the grammar and reach both workers with the scheduler's output.
+        from vllm.sampling_params import StructuredOutputsParams
+        constrained = [
+            vllm.SamplingParams(temperature=0.0, max_tokens=args["max_tokens"],
+                                structured_outputs=StructuredOutputsParams(**c))
+            for c in ({"regex": "[a-f]{2,6}(-[0-9]{1,3}){1,4}"}, {"json_object": True})
+        ]
+        outs = llm.generate(prompts[:2], constrained, use_tqdm=False)
+        entry["structured"] = [list(o.outputs[0].token_ids) for o in outs]
+        if spec is not None:
+            entry["structured_counters"] = llm.collective_rpc(counters)
             llm.collective_rpc(record_sampled_tokens)
             outs = llm.generate(prompts, sampled, use_tqdm=False)
             entry["sampled"] = [list(o.outputs[0].token_ids) for o in outs]
@@ -123,6 +138,16 @@ def test_greedy_equals_plain_tp2(run):
     plain, tree = run["plain"]["greedy"], run["ddtree"]["greedy"]
     assert all(len(t) == MAX_TOKENS for t in plain)
     assert tree == plain
+
+
+def test_structured_greedy_equals_plain_tp2(run):
+    """Grammar-built trees under TP = 2: the same constrained greedy output as
+    without speculation, trees verified on both workers alike."""
+    assert run["ddtree"]["structured"] == run["plain"]["structured"]
+    before = run["ddtree"]["greedy_counters"]
+    after = run["ddtree"]["structured_counters"]
+    assert after[0] == after[1], after
+    assert after[0][0] > before[0][0], (before, after)
 
 
 def test_workers_commit_the_same_paths(run):

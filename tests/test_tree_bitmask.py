@@ -7,11 +7,12 @@ through vLLM's own ``StructuredOutputManager`` methods on a stand-in manager:
 * on chains (no stored tree), the tree walk fills exactly the rows of vLLM's
   chain walk (``StructuredOutputManager.grammar_bitmask``, the oracle),
   including invalid drafts, ``-1`` padding and reasoning bounds;
+* trees built with the grammar (grammar_draft_tree): every node is reachable,
+  their rows, reused by the bitmask, are a fresh matcher's, and the auto
+  budget's price keeps the prefix worth it;
 * on random trees, every node's row is the bitmask of a fresh matcher fed the
   committed tokens and the node's path (or, below a rejected node, its
   parent's row), and the matcher is left where it was;
-* the structure the scheduler uses is the worker's: drafts that are a prefix of
-  the stored tree get its parents, anything else is a chain.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
 
 from vllm_ddtree import tiny_models  # noqa: E402
+from vllm_ddtree.vllm_adapter.draft_trees import store_draft_trees  # noqa: E402
+from vllm_ddtree.vllm_adapter import structured_output  # noqa: E402
 from vllm_ddtree.vllm_adapter.structured_output import (  # noqa: E402
+    GrammarCandidates,
     bitmask_stats,
-    chain_parents,
-    draft_parents,
-    store_draft_trees,
+    grammar_draft_tree,
     tree_grammar_bitmask,
 )
 
@@ -93,7 +95,8 @@ def manager(max_spec: int, reasoner=None) -> StructuredOutputManager:
         model_config=SimpleNamespace(is_diffusion=False),
     )
     m.backend = SimpleNamespace(
-        allocate_token_bitmask=lambda n: xgr.allocate_token_bitmask(n, VOCAB)
+        allocate_token_bitmask=lambda n: xgr.allocate_token_bitmask(n, VOCAB),
+        vocab_size=VOCAB,
     )
     m._grammar_bitmask = None
     m._full_mask = torch.tensor(-1, dtype=torch.int32)
@@ -116,6 +119,9 @@ def request(compiler, req_id: str, reasoning: bool = False):
         structured_output_request=structured,
         prompt_token_ids=[1, 2],
         all_token_ids=[1, 2, *COMMITTED],
+        num_tokens=2 + len(COMMITTED),
+        is_prefill_chunk=False,
+        is_finished=lambda: False,
         use_structured_output=True,
     )
 
@@ -214,11 +220,71 @@ def test_tree_rows_are_the_state_after_each_path(compiler, seed):
     )
 
 
-def test_the_structure_is_the_workers():
-    tree = ([5, 6, 7, 8], [-1, 0, 0, 1, 2])
-    assert draft_parents(tree, [5, 6, 7]) == [-1, 0, 0, 1]
-    assert draft_parents(tree, []) == [-1]
-    assert draft_parents(tree, [5, 7]) is None  # not a prefix: a chain
-    assert draft_parents(tree, [5, 6, 7, 8, 9]) is None
-    assert draft_parents(None, [5]) is None
-    assert chain_parents(3) == [-1, 0, 1, 2]
+def random_candidates(seed: int, depth: int = 4, k: int = 10):
+    """[depth][k] drafter candidates: distinct tokens per depth, mostly from the
+    regex's alphabet, log-probs descending."""
+    rng = random.Random(seed)
+    pool = list(b"abc-0123456789z") + [EOS]
+    ids = [rng.sample(pool, k) for _ in range(depth)]
+    log_probs = [sorted((-rng.expovariate(0.5) for _ in range(k)), reverse=True)
+                 for _ in range(depth)]
+    return log_probs, ids
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grammar_built_trees_reach_every_node_and_reuse_their_rows(
+    compiler, seed, monkeypatch
+):
+    log_probs, ids = random_candidates(seed)
+    req = request(compiler, "r")
+    reqs = {"r": req}
+    m = manager(16)
+    grammar = req.structured_output_request.grammar
+    before = grammar.matcher.find_jump_forward_string()
+    store_draft_trees(
+        reqs,
+        SimpleNamespace(req_ids=["r"], draft_token_ids=[[]], draft_parents=[[-1]],
+                        draft_candidates={"r": GrammarCandidates(log_probs, ids, 12)}),
+        lambda request, c: grammar_draft_tree(m, request, c),
+    )
+    record = req.ddtree_draft_tree
+    n = len(record.tokens)
+    assert record.grammar_shaped and 0 < n <= 12
+    assert grammar.matcher.find_jump_forward_string() == before
+    # The bitmask copies the build's rows (no walk) ...
+    monkeypatch.setattr(structured_output, "fill_tree_bitmask", None)
+    bitmask = tree_grammar_bitmask(m, reqs, ["r"], {"r": record.tokens})
+    assert bitmask.shape[0] == n + 1
+    for node in range(n + 1):
+        path, v = [], node
+        while v > 0:
+            path.append(record.tokens[v - 1])
+            v = record.parents[v]
+        row = fresh_row(compiler, path[::-1])
+        # ... which are a fresh matcher's after each node's path: reachable.
+        assert row is not None, (seed, path[::-1])
+        assert torch.equal(torch.from_numpy(bitmask[node]), row), (seed, node)
+    assert (bitmask_stats(m).nodes, bitmask_stats(m).unreachable) == (n, 0)
+    assert bitmask_stats(m).grammar_trees == 1 and bitmask_stats(m).grammar_nodes == n
+    # Once the grammar has moved (a token committed since), the rows are walked.
+    monkeypatch.undo()
+    req.num_tokens += 1
+    walked = tree_grammar_bitmask(manager(16), reqs, ["r"], {"r": record.tokens[:3]})
+    assert (walked == bitmask[:4]).all()
+
+
+def test_the_node_price_keeps_the_prefix_worth_it(compiler):
+    log_probs, ids = random_candidates(7)
+    whole = grammar_draft_tree(
+        manager(16), request(compiler, "r"), GrammarCandidates(log_probs, ids, 12)
+    )
+    probs = whole.path_probs
+    assert len(probs) >= 4 and probs == sorted(probs, reverse=True)
+    for factor, price in ((1.0, probs[3]), (2.0, probs[3]), (0.5, probs[1])):
+        depth_factors = [factor] * 13
+        kept = grammar_draft_tree(
+            manager(16), request(compiler, "r"),
+            GrammarCandidates(log_probs, ids, 12, price, depth_factors),
+        )
+        expected = sum(1 for p in probs if min(factor * p, 1.0) >= price)
+        assert len(kept.tokens) == expected and kept.tokens == whole.tokens[:expected]

@@ -106,6 +106,15 @@ class BudgetController:
         self._full_drafter_costs: dict[int, StepCostModel] = {}
         self.context_drafter_cost = StepCostModel(max_reqs)
         self.calibration = AcceptanceCalibration(max_depth, device)
+        # Trees the scheduler builds with a request's grammar: path
+        # probabilities renormalised over the allowed tokens, and forced runs
+        # past the drafter's depth (up to B deep), calibrated apart.
+        self.grammar_calibration = AcceptanceCalibration(budget, device)
+        # This step's price of a node in expected accepted tokens (the chosen
+        # step's throughput times a node's marginal seconds): the scheduler
+        # keeps a grammar-built tree's nodes worth at least that.
+        self._node_price = 0.0
+        self._grammar_factors: list[float] | None = None
         self.max_depth = max_depth
         # Depths the next drafter pass drafts (its block length): the deepest node
         # chosen in the last ``depth_window`` trees + ``depth_margin``, and every
@@ -360,6 +369,13 @@ class BudgetController:
             self.draft_depth = max(1, min(self.max_depth, deepest))
         return True
 
+    def grammar_node_price(self) -> tuple[float, list[float]]:
+        """(price of a node, [B + 1] calibration factors by depth) for the
+        scheduler's grammar-built trees this step (one host read per step)."""
+        if self._grammar_factors is None:
+            self._grammar_factors = self.grammar_calibration.factors().tolist()
+        return self._node_price, self._grammar_factors
+
     def prices(self, tree: DraftTree) -> StepPrices | None:
         """What :meth:`choose` weighs for ``tree``'s batch (None while the cost
         models warm up)."""
@@ -382,6 +398,8 @@ class BudgetController:
         """[R] nodes to keep per request (a prefix of each tree)."""
         num_nodes = tree.num_nodes
         num_reqs = tree.num_reqs
+        self._node_price = 0.0
+        self._grammar_factors = None
         prices = self.prices(tree)
         if prices is None:
             return num_nodes  # warming up: the whole budget
@@ -457,6 +475,12 @@ class BudgetController:
                 counts, deepest_chosen = skip_counts, int(deepest_skipping)
             else:
                 counts, deepest_chosen = torch.zeros_like(skip_counts), 0
+        # A node of a grammar-built tree pays when its value beats the rate of
+        # this step (or of plain decoding, when no drafted prefix does) over the
+        # seconds one more verify row costs.
+        rate = drafting if self._drafting else max(skipping, plain)
+        k = min(int(drafted_nodes), verify.shape[0] - 2)
+        self._node_price = max(rate * float(verify[k + 1] - verify[k]), 0.0)
         counts = torch.minimum(counts, num_nodes)
         self._drafted_histogram.index_add_(
             0, counts, torch.ones_like(counts, dtype=torch.int64)

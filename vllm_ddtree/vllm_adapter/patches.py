@@ -22,11 +22,12 @@ decorate in-tree in the upstream patch series (``patches/``):
   reach the engine core without P4 (engine).
 * P6 ``LLMEngine.add_request``: the same refusal for a pre-built
   ``EngineCoreRequest``, before the frontend tracks it (frontend).
-* P8 ``Scheduler.update_draft_token_ids``, P9
+* P8 ``Scheduler.update_draft_token_ids`` and ``Scheduler.schedule``, P9
   ``StructuredOutputManager.validate_tokens``, P10
-  ``StructuredOutputManager.grammar_bitmask``: structured outputs on draft trees
-  (the trees' structure kept in the scheduler, no chain cut, one bitmask row per
-  node with the grammar state after its path; engine core).
+  ``StructuredOutputManager.grammar_bitmask``: the trees' structure kept in the
+  scheduler and sent back with the scheduled drafts, structured requests' trees
+  built with their grammars, no chain cut, one bitmask row per node with the
+  grammar state after its path (engine core).
 * P7 (CPU only) a vLLM 0.32 bug fix for every DFlash drafter, ddtree or not:
   ``DFlashQwen3Model._normalize_context_k`` normalizes all layers' context keys
   with one ``ops.rms_norm`` call and a stacked ``[num_layers, head_dim]`` weight;
@@ -113,6 +114,7 @@ def install() -> None:
     Scheduler.update_draft_token_ids = plugin_hooks.update_draft_token_ids_hook(
         Scheduler.update_draft_token_ids
     )
+    Scheduler.schedule = plugin_hooks.schedule_hook(Scheduler.schedule)
     StructuredOutputManager.validate_tokens = plugin_hooks.validate_tokens_hook(
         StructuredOutputManager.validate_tokens
     )

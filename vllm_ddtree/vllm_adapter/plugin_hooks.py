@@ -37,8 +37,12 @@ from vllm_ddtree.vllm_adapter.config import (
     get_ddtree_config,
     resolve_ddtree_config,
 )
-from vllm_ddtree.vllm_adapter.structured_output import (
+from vllm_ddtree.vllm_adapter.draft_trees import (
+    scheduled_draft_trees,
     store_draft_trees,
+)
+from vllm_ddtree.vllm_adapter.structured_output import (
+    grammar_draft_tree,
     tree_grammar_bitmask,
     validate_draft_tree,
 )
@@ -46,6 +50,7 @@ from vllm_ddtree.vllm_adapter.structured_output import (
 __all__ = [
     "grammar_bitmask_hook",
     "pop_ddtree_config",
+    "schedule_hook",
     "speculative_config_hook",
     "update_draft_token_ids_hook",
     "v2_runner_unsupported_hook",
@@ -131,14 +136,36 @@ def v2_runner_unsupported_hook(get_unsupported_features):
 
 def update_draft_token_ids_hook(update_draft_token_ids):
     """P8, ``Scheduler.update_draft_token_ids``: keeps each request's draft tree
-    (``DraftTokenIds.draft_parents``) for the grammar bitmask (engine core)."""
+    (``DraftTokenIds.draft_parents``), and builds structured requests' trees
+    with their grammars (engine core)."""
 
     @functools.wraps(update_draft_token_ids)
     def wrapper(self, draft_token_ids):
-        parents = getattr(draft_token_ids, "draft_parents", None)
-        if parents is not None:
-            store_draft_trees(self.requests, draft_token_ids)
+        if getattr(draft_token_ids, "draft_parents", None) is not None:
+            manager = self.structured_output_manager
+            store_draft_trees(
+                self.requests,
+                draft_token_ids,
+                functools.partial(grammar_draft_tree, manager),
+            )
         return update_draft_token_ids(self, draft_token_ids)
+
+    return wrapper
+
+
+def schedule_hook(schedule):
+    """P8, ``Scheduler.schedule``: the tree of every request's scheduled drafts
+    goes to the workers (``SchedulerOutput.scheduled_draft_trees``; engine
+    core)."""
+
+    @functools.wraps(schedule)
+    def wrapper(self, *args, **kwargs):
+        output = schedule(self, *args, **kwargs)
+        if get_ddtree_config(self.vllm_config) is not None:
+            output.scheduled_draft_trees = scheduled_draft_trees(
+                self.requests, output.scheduled_spec_decode_tokens
+            )
+        return output
 
     return wrapper
 

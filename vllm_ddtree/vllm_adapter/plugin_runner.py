@@ -127,4 +127,4 @@ class DDTreeRunnerMixin:
         return self.ddtree.after_propose(draft)
 
     def take_draft_token_ids(self):
-        return self.ddtree.attach_draft_parents(super().take_draft_token_ids())
+        return self.ddtree.attach_draft_trees(super().take_draft_token_ids())

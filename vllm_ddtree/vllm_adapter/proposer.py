@@ -18,9 +18,10 @@ import functools
 import time
 
 import torch
+from vllm.utils import torch_utils
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.tree import DraftTree, build_ddtree
+from vllm_ddtree.tree import DraftTree, build_ddtree, draft_top_k
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 
@@ -45,6 +46,15 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = draft_len
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
+        # Batch rows of structured requests (set by the verifier before each
+        # pass), and their drafter candidates from the last pass:
+        # (rows, log-probs [Rc, depth, K], target token ids [Rc, depth, K]).
+        self.candidate_rows: list[int] = []
+        self.last_candidates: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+        # Candidates per depth for a grammar-built tree (at least twice the node
+        # budget): the grammar may rule out the drafter's first choices, and a
+        # node's distribution is renormalised over the allowed candidates.
+        self.grammar_top_k = max(2 * ddtree.budget, 64)
         # Positions drafted this pass (<= draft_len).
         self.draft_depth = self.draft_len
         # >>> auto budget
@@ -128,6 +138,7 @@ class DDTreeProposer(DFlashProposer):
         next_token_ids = kwargs["next_token_ids"]
         self._draft_logits = None
         self.last_tree = None
+        self.last_candidates = None
         # >>> auto budget
         # A step without drafts never gets here: DDTreeVerifier.skip_drafter
         # queues its context K/V (defer_context) and returns no drafts.
@@ -138,13 +149,29 @@ class DDTreeProposer(DFlashProposer):
         logits = self._draft_logits
         assert logits is not None, "the DFlash pass produced no draft logits"
         num_reqs = next_token_ids.shape[0]
-        self.last_tree = self._to_target_ids(
-            self._build_tree(
-                logits.view(num_reqs, self.draft_depth, -1), next_token_ids
-            )
-        )
+        logits = logits.view(num_reqs, self.draft_depth, -1)
+        self.last_tree = self._to_target_ids(self._build_tree(logits, next_token_ids))
+        self.last_candidates = self._grammar_candidates(logits)
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
+
+    def _grammar_candidates(self, draft_logits: torch.Tensor):
+        """The drafter's top-K log-probs and target ids per depth of the
+        structured requests' rows (the scheduler builds their trees with their
+        grammars), or None without such requests."""
+        rows = [b for b in self.candidate_rows if b < draft_logits.shape[0]]
+        if not rows:
+            return None
+        index = torch_utils.async_tensor_h2d(
+            rows, dtype=torch.int64, device=draft_logits.device
+        )
+        selected = draft_logits.index_select(0, index)  # [Rc, depth, V']
+        log_probs, token_ids = draft_top_k(
+            selected, min(self.grammar_top_k, selected.shape[-1])
+        )
+        if self._draft_to_target is not None:
+            token_ids = self._draft_to_target[token_ids]
+        return rows, log_probs, token_ids
 
     def _build_tree(
         self, draft_logits: torch.Tensor, root_token_ids: torch.Tensor

@@ -23,14 +23,16 @@ DFlash chain step:
 4. ``propose_draft_token_ids`` -> :meth:`DDTreeVerifier.before_propose` /
    :meth:`DDTreeVerifier.after_propose`: linear positions are restored and the
    accepted path's hidden states are moved first in each block, so the DFlash
-   drafter sees exactly the committed sequence as context; the new trees are
-   stashed.
+   drafter sees exactly the committed sequence as context; the new trees wait
+   for ``take_draft_token_ids``.
 
-Besides: ``_update_states`` drops the trees of finished requests
+Besides: ``_update_states`` forgets trees not sent
 (:meth:`~DDTreeVerifier.drop_requests`), ``_input_fits_in_drafter`` sizes the
 drafter's query as a block (:meth:`~DDTreeVerifier.input_fits_in_drafter`) and
-``take_draft_token_ids`` sends the trees' parents with the drafts, for the
-scheduler's grammar bitmask (:meth:`~DDTreeVerifier.attach_draft_parents`).
+``take_draft_token_ids`` sends the trees' structure (and structured requests'
+drafter candidates) with the drafts to the scheduler, which sends back the
+structure of what it scheduled (:meth:`~DDTreeVerifier.attach_draft_trees`,
+:mod:`.draft_trees`).
 
 The auto budget (``ddtree_budget="auto"``, :mod:`.budget_control`) adds: the
 step timing of ``execute_model`` / ``sample_tokens``
@@ -59,8 +61,9 @@ from vllm_ddtree.sampling import SAMPLING_EPS, TreeSamplingParams
 from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.vllm_adapter.step import StepTrees, TreeStash, build_step_trees
-from vllm_ddtree.vllm_adapter.structured_output import attach_draft_parents
+from vllm_ddtree.vllm_adapter.draft_trees import ProposedTrees
+from vllm_ddtree.vllm_adapter.step import StepTrees, build_step_trees
+from vllm_ddtree.vllm_adapter.structured_output import GrammarCandidates
 
 __all__ = ["DDTreeVerifier"]
 
@@ -110,7 +113,11 @@ class DDTreeVerifier:
             register_gpu_mla_tree_attention_backend()
         self.runner = runner
         self.config: DDTreeConfig = ddtree
-        self.stash = TreeStash()
+        # The last drafter pass's trees, until take_draft_token_ids sends them.
+        self.proposed = ProposedTrees()
+        # Requests whose scheduled drafts came without a tree (verified as a
+        # chain): vLLM padded or replaced them.
+        self.num_chain_fallbacks = 0
         # >>> auto budget
         self.budget = None
         if ddtree.budget_mode == "auto":
@@ -123,7 +130,7 @@ class DDTreeVerifier:
                 max_rows=runner.max_num_tokens,
                 max_reqs=runner.max_num_reqs,
             )
-            self.stash.keep_path_probs = True
+            self.proposed.keep_path_probs = True
         self._budget_logged = time.monotonic()
         self._step_clock: tuple[float, int, int, int] | None = None
         self._drafter_seconds = 0.0
@@ -214,12 +221,10 @@ class DDTreeVerifier:
 
     # <<< auto budget
     def drop_requests(self, scheduler_output) -> None:
-        """Start of ``_update_states``: finished and preempted requests lose their
-        trees. Unscheduled requests keep theirs (they leave the batch for a step
-        under token-budget pressure). Here, not in ``_prepare_inputs``: a step
-        with no tokens still finishes requests."""
-        self.stash.drop(scheduler_output.finished_req_ids)
-        self.stash.drop(scheduler_output.preempted_req_ids)
+        """Start of ``_update_states``: trees of an earlier pass that were not
+        sent are forgotten (the worker keeps no tree across steps: what it
+        verifies comes with the scheduler's output)."""
+        self.proposed.clear()
 
     def prepare_tree_inputs(self, scheduler_output, spec_decode_metadata) -> None:
         """End of ``_prepare_inputs``: the trees of the scheduled drafts, their
@@ -254,8 +259,11 @@ class DDTreeVerifier:
             scheduled,
             query_start[1:],
             roots,
-            self.stash,
+            getattr(scheduler_output, "scheduled_draft_trees", None) or {},
             runner.positions.device,
+        )
+        self.num_chain_fallbacks += sum(
+            1 for b, n in enumerate(num_drafts) if n and step.scheduled[b] is None
         )
 
         # RoPE positions of tree rows: root position + depth (slots stay linear);
@@ -398,6 +406,7 @@ class DDTreeVerifier:
             in its block.
         """
         runner = self.runner
+        runner.drafter.candidate_rows = self.structured_rows()
         plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -477,8 +486,14 @@ class DDTreeVerifier:
             if self.budget is not None:
                 tree = dataclasses.replace(tree, num_nodes=self.budget.choose(tree))
             # <<< auto budget
-            draft = self.stash.put(list(runner.input_batch.req_ids[:num_reqs]), tree)
+            draft = self.proposed.put(
+                list(runner.input_batch.req_ids[:num_reqs]),
+                tree,
+                drafter.last_candidates,
+                self._grammar_candidates,
+            )
             drafter.last_tree = None
+            drafter.last_candidates = None
         # >>> auto budget
         budget = self.budget
         if budget is not None:
@@ -498,11 +513,39 @@ class DDTreeVerifier:
         self._plan = None
         return draft
 
-    def attach_draft_parents(self, draft_token_ids):
+    def structured_rows(self) -> list[int]:
+        """Batch rows of structured requests: their drafter candidates go to the
+        scheduler, which builds their trees with the grammar."""
+        runner = self.runner
+        requests = runner.requests
+        rows = []
+        for b, req_id in enumerate(runner.input_batch.req_ids):
+            state = requests.get(req_id)
+            params = None if state is None else state.sampling_params
+            if params is not None and params.structured_outputs is not None:
+                rows.append(b)
+        return rows
+
+    def _grammar_candidates(
+        self, row: int, log_probs: list[list[float]], token_ids: list[list[int]]
+    ) -> GrammarCandidates:
+        """What the scheduler needs to build batch row ``row``'s tree with its
+        grammar: the candidates, the node budget and, with the auto budget, the
+        price of a node this step."""
+        candidates = GrammarCandidates(log_probs, token_ids, self.config.budget)
+        # >>> auto budget
+        if self.budget is not None:
+            candidates.min_value, candidates.depth_factors = (
+                self.budget.grammar_node_price()
+            )
+        # <<< auto budget
+        return candidates
+
+    def attach_draft_trees(self, draft_token_ids):
         """``take_draft_token_ids``: the drafts go to the scheduler with their
-        trees' parents (``DraftTokenIds.draft_parents``), which its grammar
-        bitmask needs (:mod:`.structured_output`)."""
-        return attach_draft_parents(draft_token_ids, self.stash)
+        trees' structure, and structured requests' drafter candidates
+        (:mod:`.draft_trees`)."""
+        return self.proposed.attach(draft_token_ids)
 
 
 # >>> auto budget
@@ -778,24 +821,35 @@ def _verify_batch(
 # >>> auto budget
 def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     """Feeds the auto budget what the target accepted of the verified trees."""
-    req_ids = verifier.runner.input_batch.req_ids
     tree = step.tree
     probs = torch.zeros(tree.num_reqs, tree.num_rows)
     verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
+    grammar = torch.zeros(tree.num_reqs, dtype=torch.bool)
     for b, n in enumerate(step.num_drafts):
-        if n == 0:
+        scheduled = step.scheduled[b] if step.scheduled else None
+        if n == 0 or scheduled is None or scheduled.path_probs is None:
             continue
-        found = verifier.stash.path_probs_for(req_ids[b], step.tokens[b][1:])
-        if found is not None:
-            probs[b, 1 : n + 1] = torch.tensor(found)
-            verified[b, 1 : n + 1] = True
+        probs[b, 1 : n + 1] = torch.tensor(scheduled.path_probs)
+        verified[b, 1 : n + 1] = True
+        grammar[b] = scheduled.grammar_shaped
     if bool(verified.any()):
         device = tree.depths.device
-        probs = torch_utils.async_tensor_h2d(probs, device=device)
-        verified = torch_utils.async_tensor_h2d(verified, device=device)
-        # Requests verified as a chain (no stored probabilities) count nowhere.
-        accepted = torch.where(verified.any(dim=1), out.num_accepted, 0)
-        verifier.budget.calibration.update(probs, tree.depths, verified, accepted)
+        probs, verified, grammar = (
+            torch_utils.async_tensor_h2d(x, device=device)
+            for x in (probs, verified, grammar)
+        )
+        # Requests verified as a chain (no path probabilities) count nowhere;
+        # grammar-built trees (probabilities renormalised over the allowed
+        # tokens) have their own calibration.
+        reached = verified.any(dim=1)
+        for calibration, rows in (
+            (verifier.budget.calibration, reached & ~grammar),
+            (verifier.budget.grammar_calibration, reached & grammar),
+        ):
+            calibration.update(
+                probs, tree.depths, verified & rows.unsqueeze(1),
+                torch.where(rows, out.num_accepted, 0),
+            )
 
 
 # <<< auto budget

@@ -1,66 +1,102 @@
 # SPDX-License-Identifier: Apache-2.0
 """Structured outputs (grammar-constrained decoding) for ddtree's draft trees.
 
-vLLM computes the grammar bitmask in the scheduler process
-(``StructuredOutputManager.grammar_bitmask``): one row per verify row of a
-request, which the worker applies to the target's logits before sampling. For a
-chain of drafts row ``j`` is the grammar state after drafts ``1..j``; for a tree
-it must be the state after the node's *path* (committed tokens + the node's
-ancestors), so that every node's distribution is the one non-speculative
-constrained decoding would use there. This module makes that so:
+vLLM keeps grammars in the scheduler (``StructuredOutputManager``); the drafts
+come from the worker. A structured request's tree is built in the scheduler,
+with its grammar (:func:`grammar_draft_tree`, DDTree's best-first build over
+the tokens the grammar allows, :mod:`vllm_ddtree.grammar_tree`), from the
+drafter's per-depth top-K candidates the worker sends
+(:class:`GrammarCandidates`): every node is reachable, forced tokens are free,
+and the tree's structure goes back to the worker with the scheduled drafts
+(:mod:`.draft_trees`). A structured request whose grammar does not constrain
+its next token yet (reasoning not ended) keeps the worker's tree.
 
-1. worker: :func:`attach_draft_parents` sends each request's tree structure
-   (parents, node order) with its drafts (``DraftTokenIds.draft_parents``);
-2. scheduler: :func:`store_draft_trees` keeps it beside the request's drafts, and
-   :func:`validate_draft_tree` lets the tree through whole (vLLM's chain check
-   would cut it at the first sibling);
-3. scheduler: :func:`fill_tree_bitmask` walks the scheduled tree depth first with
-   the request's grammar: accept a node's token on the way down, fill its row,
-   roll back on the way up. On a chain it fills exactly the rows vLLM's chain
-   walk fills (tested equal), including the reasoning bounds (evaluated per
-   path) and padding.
+The verify bitmask (``StructuredOutputManager.grammar_bitmask``) has one row
+per verify row of a request, each the grammar state after the node's *path*
+(committed tokens + the node's ancestors), so that every node's distribution is
+the one non-speculative constrained decoding would use there:
+:func:`tree_grammar_bitmask` copies the rows the grammar-built tree already
+holds, and walks any other tree depth first with the request's grammar
+(:func:`fill_tree_bitmask`: accept a node's token on the way down, fill its
+row, roll back on the way up; on a chain it fills exactly the rows vLLM's chain
+walk fills, tested equal, including the reasoning bounds and padding).
 
-Lossless: a node whose token its parent's grammar state rejects is masked out in
-its parent's row, so the target gives it probability 0 and verification never
-accepts it; only committed tokens advance the grammar (vLLM's own
-``accept_tokens`` after the step), and the walk leaves the matcher where it found
-it. Both processes pick the structure by the same rule (the scheduled drafts
-must be a prefix of the stored tree, else they are a chain), so the worker
-verifies exactly the tree the bitmask describes.
+Lossless whatever the tree: a node whose token its parent's grammar state
+rejects is masked out in its parent's row, so the target gives it probability
+0 and verification never accepts it; only committed tokens advance the grammar
+(vLLM's own ``accept_tokens`` after the step), and both the build and the walk
+leave the matcher where they found it.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
+from vllm_ddtree.grammar_tree import GrammarCursor, build_grammar_tree
+from vllm_ddtree.vllm_adapter.draft_trees import (
+    DraftTreeRecord,
+    chain_parents,
+    record_of,
+)
+
 __all__ = [
+    "GrammarCandidates",
     "TreeBitmaskStats",
-    "attach_draft_parents",
     "bitmask_stats",
-    "chain_parents",
-    "draft_parents",
     "fill_tree_bitmask",
-    "store_draft_trees",
+    "grammar_draft_tree",
     "tree_grammar_bitmask",
     "validate_draft_tree",
 ]
 
-# The scheduler's copy of a request's last proposed tree: (node tokens, parents
-# root first), an attribute of vLLM's Request.
-_TREE_ATTR = "ddtree_draft_tree"
 # The manager's running TreeBitmaskStats.
 _STATS_ATTR = "ddtree_bitmask_stats"
 
 
 @dataclass
+class GrammarCandidates:
+    """What the worker sends the scheduler to build a structured request's tree.
+
+    The drafter's top-K tokens per drafted position, and how many nodes the
+    tree may take: a grammar-built tree keeps its best-first prefix of at most
+    ``max_nodes`` nodes whose calibrated value (``depth_factors[depth] * path
+    probability``, made non-increasing along the node order) is at least
+    ``min_value``, the auto budget's price of a node this step
+    (:meth:`~vllm_ddtree.vllm_adapter.budget_control.BudgetController.choose`).
+    """
+
+    log_probs: list[list[float]]  # [L][K] descending, per depth
+    token_ids: list[list[int]]  # [L][K] target token ids
+    max_nodes: int
+    min_value: float = 0.0
+    depth_factors: list[float] | None = None  # [D + 1] index = depth
+
+
+@dataclass
 class TreeBitmaskStats:
-    """Scheduled draft nodes of constrained requests, and how many of them the
-    grammar makes unreachable (masked out of an ancestor's row: verified rows
-    that can never be accepted, the budget a grammar-aware pruning would free)."""
+    """Structured requests' draft trees in the scheduler.
+
+    ``nodes``: scheduled draft nodes of constrained requests; ``unreachable``:
+    those the grammar masks out of an ancestor's row (verified rows that can
+    never be accepted); ``grammar_trees`` / ``grammar_nodes`` /
+    ``build_seconds``: trees built with the grammar, their nodes and the host
+    time of building them (on the scheduler's critical path, between steps);
+    ``bitmask_seconds``: host time of the verify bitmasks (overlapped with the
+    target's forward by vLLM's engine loop).
+    """
 
     nodes: int = 0
     unreachable: int = 0
+    grammar_trees: int = 0
+    grammar_nodes: int = 0
+    build_seconds: float = 0.0
+    bitmask_seconds: float = 0.0
 
 
 def bitmask_stats(manager: Any) -> TreeBitmaskStats:
@@ -72,64 +108,70 @@ def bitmask_stats(manager: Any) -> TreeBitmaskStats:
     return stats
 
 
-def draft_parents(
-    tree: tuple[list[int], list[int]] | None, scheduled: list[int]
-) -> list[int] | None:
-    """Parents (root first, ``[n + 1]``) of the ``n`` scheduled drafts when they
-    are a prefix of the stored tree's node tokens, else ``None`` (they are then
-    verified as a chain, :func:`chain_parents`).
+def grammar_draft_tree(
+    manager: Any, request: Any, candidates: GrammarCandidates
+) -> DraftTreeRecord | None:
+    """``Scheduler.update_draft_token_ids``: a structured request's tree, built
+    with its grammar (after this step's committed tokens) from the drafter's
+    candidates; None when the grammar does not constrain the request's next
+    token (not compiled, reasoning not ended): then the worker's tree stays.
 
-    The one rule both processes use (the worker's ``TreeStash.parents_for`` and
-    the scheduler's bitmask), so they always agree on the structure: vLLM may
-    shorten the drafts (a prefix keeps the tree) or replace them (padding,
-    preemption, blanking near ``max_model_len``: a chain).
+    Past the drafter's L positions the tree continues where the grammar alone
+    decides the tokens (forced runs, up to ``max_nodes`` deep): such a node
+    costs one verify row and is accepted whenever its parent is, since the
+    target, masked by the same grammar, can only sample the forced token.
     """
-    n = len(scheduled)
-    if tree is not None and len(tree[0]) >= n and tree[0][:n] == list(scheduled):
-        return tree[1][: n + 1]
-    return None
-
-
-def chain_parents(n: int) -> list[int]:
-    """Parents (root first) of ``n`` drafts verified as a chain."""
-    return [-1] + list(range(n))
-
-
-# --------------------------------------------------------------------------- #
-# Worker
-# --------------------------------------------------------------------------- #
-
-
-def attach_draft_parents(draft_token_ids: Any, stash) -> Any:
-    """Adds ``draft_parents`` (per request, root first) to a ``DraftTokenIds``
-    from the worker's tree stash; returns it."""
-    if draft_token_ids is not None:
-        draft_token_ids.draft_parents = [
-            draft_parents(stash.stored_tree(req_id), tokens) or chain_parents(len(tokens))
-            for req_id, tokens in zip(
-                draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
-            )
-        ]
-    return draft_token_ids
-
-
-# --------------------------------------------------------------------------- #
-# Scheduler
-# --------------------------------------------------------------------------- #
-
-
-def store_draft_trees(requests: dict[str, Any], draft_token_ids: Any) -> None:
-    """``Scheduler.update_draft_token_ids``: keeps each live request's proposed
-    tree (tokens, ``draft_parents``) for its next grammar bitmask."""
-    for req_id, tokens, parents in zip(
-        draft_token_ids.req_ids,
-        draft_token_ids.draft_token_ids,
-        draft_token_ids.draft_parents,
-        strict=True,
+    so_request = request.structured_output_request
+    grammar = None if so_request is None else so_request.grammar
+    if (
+        grammar is None
+        or request.is_prefill_chunk
+        or manager._get_constraint_bounds(request, ()) != (0, 0)
     ):
-        request = requests.get(req_id)
-        if request is not None:
-            setattr(request, _TREE_ATTR, (list(tokens), list(parents)))
+        return None
+    started = time.perf_counter()
+    cursor = GrammarCursor(grammar, manager.backend.vocab_size, request.request_id)
+    tree = build_grammar_tree(
+        np.asarray(candidates.log_probs, dtype=np.float64),
+        np.asarray(candidates.token_ids, dtype=np.int64),
+        candidates.max_nodes,
+        request.all_token_ids[-1],
+        cursor,
+        max_depth=candidates.max_nodes,
+    )
+    n = _valued_prefix(tree.log_scores, tree.parents, candidates)
+    record = DraftTreeRecord(
+        tokens=tree.tokens[1 : n + 1],
+        parents=tree.parents[: n + 1],
+        path_probs=[math.exp(s) for s in tree.log_scores[1 : n + 1]],
+        grammar_shaped=True,
+        grammar_rows=[None if r is None else r.bitmask_row for r in tree.rows[: n + 1]],
+        num_tokens=request.num_tokens,
+    )
+    stats = bitmask_stats(manager)
+    stats.grammar_trees += 1
+    stats.grammar_nodes += n
+    stats.build_seconds += time.perf_counter() - started
+    return record
+
+
+def _valued_prefix(
+    log_scores: list[float], parents: list[int], candidates: GrammarCandidates
+) -> int:
+    """Nodes of the best-first prefix whose calibrated value reaches
+    ``candidates.min_value`` (all of them without a price)."""
+    if candidates.min_value <= 0 or candidates.depth_factors is None:
+        return len(log_scores) - 1
+    factors = candidates.depth_factors
+    depth = [0] * len(parents)
+    running = 1.0
+    for node in range(1, len(parents)):
+        depth[node] = depth[parents[node]] + 1
+        factor = factors[min(depth[node], len(factors) - 1)]
+        running = min(running, factor * math.exp(log_scores[node]), 1.0)
+        if running < candidates.min_value:
+            return node - 1
+    return len(parents) - 1
 
 
 def validate_draft_tree(spec_tokens: list[int]) -> list[int]:
@@ -157,6 +199,7 @@ def tree_grammar_bitmask(
     request after request, as vLLM's), or ``None`` without requests."""
     if not structured_output_request_ids:
         return None
+    started = time.perf_counter()
     if manager._grammar_bitmask is None:
         assert manager.backend is not None
         max_batch_size = manager.vllm_config.scheduler_config.max_num_seqs
@@ -166,13 +209,50 @@ def tree_grammar_bitmask(
     for req_id in structured_output_request_ids:
         request = requests[req_id]
         tokens = scheduled_spec_decode_tokens.get(req_id, [])
-        tree = getattr(request, _TREE_ATTR, None)
-        parents = draft_parents(tree, tokens) or chain_parents(len(tokens))
-        row = fill_tree_bitmask(manager, request, tokens, parents, row)
+        record = record_of(request)
+        tree = None if record is None else record.scheduled(tokens)
+        if (
+            tree is not None
+            and record.grammar_rows is not None
+            and record.num_tokens == request.num_tokens
+        ):
+            row = _copy_grammar_rows(manager, record, tree.parents, row)
+        else:
+            parents = chain_parents(len(tokens)) if tree is None else tree.parents
+            row = fill_tree_bitmask(manager, request, tokens, parents, row)
     bitmask = manager._grammar_bitmask
     if row < bitmask.shape[0]:
         bitmask = bitmask[:row]
+    bitmask_stats(manager).bitmask_seconds += time.perf_counter() - started
     return bitmask.numpy()
+
+
+def _copy_grammar_rows(
+    manager: Any, record: DraftTreeRecord, parents: list[int], first_row: int
+) -> int:
+    """The rows of a grammar-built tree's scheduled nodes, as its build filled
+    them (a terminated state: the full mask, as vLLM fills it); returns the next
+    free row. Counts any node its parent's row masks out (none, by
+    construction: the count checks it)."""
+    bitmask = manager._grammar_bitmask
+    n = len(parents) - 1
+    stats = bitmask_stats(manager)
+    stats.nodes += n
+    rows = record.grammar_rows
+    for node in range(n + 1):
+        target = bitmask[first_row + node]
+        if rows[node] is None:
+            target.fill_(manager._full_mask)
+        else:
+            target.copy_(torch.from_numpy(rows[node]))
+        if node:
+            token = record.tokens[node - 1]
+            parent_row = rows[parents[node]]
+            if parent_row is None or not (
+                (int(parent_row[token >> 5]) >> (token & 31)) & 1
+            ):
+                stats.unreachable += 1
+    return first_row + n + 1
 
 
 def fill_tree_bitmask(
