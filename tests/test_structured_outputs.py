@@ -278,13 +278,15 @@ def test_siblings_are_accepted_under_the_grammar(
     assert 1 + stats["accepted"] / stats["drafts"] >= 0.7 * BLOCK_SIZE, stats
 
 
-def test_forced_runs_are_accepted_in_full(models, scripted_drafter):
+def test_forced_runs_are_accepted_in_full(models, scripted_drafter, monkeypatch):
     """A drafter that proposes only a token the grammar never allows ('z'):
     after a choice's first character the grammar forces the rest (and the end
     of the output), so the grammar-built tree is that run, past the drafter's
     L = 4 positions, and the target accepts all of it in one verify step."""
     target, drafter = models
-    requests = [(p, "choice") for p in prompts(3, seed=5)]
+    stars = ["alpha centauri", "beta pictoris", "gamma delta"]  # runs > L
+    requests = [(p, "stars") for p in prompts(3, seed=5)]
+    monkeypatch.setitem(CONSTRAINTS, "stars", StructuredOutputsParams(choice=stars))
     reference, _ = generate(target, requests)
 
     def junk(proposer, runner, req_ids, committed, logits):
@@ -295,7 +297,7 @@ def test_forced_runs_are_accepted_in_full(models, scripted_drafter):
     scripted_drafter(junk)
     for request, ref in zip(requests, reference, strict=True):
         out, stats = generate(target, [request], ddtree(drafter, 16))
-        assert out[0][0] == ref[0] and out[0][1] in CHOICES, (out, ref)
+        assert out[0][0] == ref[0] and out[0][1] in stars, (out, ref)
         # The first token comes from the prefill step; every later one from the
         # one tree.
         assert stats["drafts"] == 1, stats
