@@ -415,3 +415,36 @@ def test_tree_overhead_is_learned_per_tree_request():
     wide._drafting = True
     assert wide.choose(_chain_trees(0.9, num_reqs=8)).tolist() == [0] * 8
     assert wide.advantage < 1
+
+
+def test_grammar_built_trees_are_valued_by_their_grammar_shape():
+    """A structured request whose drafter tree is unsure (a plain step beats it)
+    but whose grammar-built trees are sure (forced runs: path probability 1):
+    valued by its last grammar-built tree, the controller keeps drafting and
+    prices a node so that the scheduler keeps that sure chain; valued by the
+    drafter's tree alone, it stops drafting."""
+    pytest.importorskip("vllm")
+    unsure = _chain_trees(0.05)
+    grammar = (
+        torch.tensor([0]),
+        torch.tensor([[1.0, 1.0, 1.0, 1.0, 0, 0, 0, 0]]),
+        torch.tensor([[1, 2, 3, 4, 0, 0, 0, 0]]),
+    )
+
+    def run(values):
+        controller = _controller(per_row=0.002, full=0.004, context=0.0005)
+        log = []
+        for _ in range(200):
+            if controller.draft_next(1):
+                log.append(int(controller.choose(unsure, values).sum()))
+            else:
+                log.append(None)
+        return controller, log
+
+    controller, log = run(grammar)
+    assert sum(n is not None for n in log) >= 0.97 * len(log), log
+    assert log[-1] == 4, log
+    price, factors = controller.grammar_node_price()
+    assert 0 < price < 1.0 and len(factors) == 8 + 1
+    _, log = run(None)
+    assert sum(n is not None for n in log) <= 0.15 * len(log), log

@@ -176,8 +176,12 @@ def build_grammar_tree(
                 return
             lp = log_probs[depth][ok]
             norm = float(np.logaddexp.reduce(lp))
+            # Best first: a child ranked below the nodes still to add can never
+            # be added (each better sibling would take a node first).
+            room = budget - tree.num_nodes
             children = [
-                (int(t), float(v) - norm) for t, v in zip(cand[ok], lp, strict=True)
+                (int(t), float(v) - norm)
+                for t, v in zip(cand[ok][:room], lp[:room], strict=True)
             ]
         else:
             return

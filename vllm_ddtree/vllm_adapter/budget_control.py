@@ -376,9 +376,9 @@ class BudgetController:
             self._grammar_factors = self.grammar_calibration.factors().tolist()
         return self._node_price, self._grammar_factors
 
-    def prices(self, tree: DraftTree) -> StepPrices | None:
+    def prices(self, tree: DraftTree, grammar_values=None) -> StepPrices | None:
         """What :meth:`choose` weighs for ``tree``'s batch (None while the cost
-        models warm up)."""
+        models warm up); ``grammar_values`` as in :meth:`choose`."""
         num_reqs = tree.num_reqs
         full = self.full_pass_seconds(num_reqs, self.draft_depth)
         if not self.plain_step_cost.ready or full is None:
@@ -387,6 +387,11 @@ class BudgetController:
         first = torch.arange(nodes.shape[1], device=nodes.device)  # [B]
         probs = torch.where(first < tree.num_nodes.unsqueeze(1), nodes.exp(), 0.0)
         values = self.calibration.node_values(probs, tree.depths[:, 1:])
+        if grammar_values is not None:
+            rows, grammar_probs, grammar_depths = grammar_values
+            values = values.index_copy(
+                0, rows, self.grammar_calibration.node_values(grammar_probs, grammar_depths)
+            )
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
         context = self.context_drafter_cost.estimate(num_reqs)
@@ -394,13 +399,23 @@ class BudgetController:
         plain = float(self.plain_step_cost.predict(num_reqs))
         return StepPrices(values, full, context, plain)
 
-    def choose(self, tree: DraftTree) -> torch.Tensor:
-        """[R] nodes to keep per request (a prefix of each tree)."""
+    def choose(self, tree: DraftTree, grammar_values=None) -> torch.Tensor:
+        """[R] nodes to keep per request (a prefix of each tree).
+
+        Args:
+            tree: the batch's drafter trees.
+            grammar_values: ``(rows [Rc], path probabilities [Rc, B], depths
+                [Rc, B])`` on the device, or None: the requests whose trees the
+                scheduler builds with their grammars are valued by the
+                grammar-shaped tree it built for them last (the best estimate
+                of the one it builds next: the drafter's own tree does not see
+                the grammar), calibrated with :attr:`grammar_calibration`.
+        """
         num_nodes = tree.num_nodes
         num_reqs = tree.num_reqs
         self._node_price = 0.0
         self._grammar_factors = None
-        prices = self.prices(tree)
+        prices = self.prices(tree, grammar_values)
         if prices is None:
             return num_nodes  # warming up: the whole budget
         values, full, context, plain_target = prices

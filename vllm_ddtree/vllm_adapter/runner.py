@@ -135,6 +135,10 @@ class DDTreeVerifier:
         self._step_clock: tuple[float, int, int, int] | None = None
         self._drafter_seconds = 0.0
         self._propose_started = 0.0
+        # req_id -> (path probabilities, depths) of the last grammar-built tree
+        # the scheduler sent: the auto budget values the request's next tree by
+        # it.
+        self._grammar_trees: dict[str, tuple[list[float], list[int]]] = {}
         # <<< auto budget
         # This step's state, from prepare_tree_inputs to after_propose.
         self._step: StepTrees | None = None
@@ -225,6 +229,14 @@ class DDTreeVerifier:
         sent are forgotten (the worker keeps no tree across steps: what it
         verifies comes with the scheduler's output)."""
         self.proposed.clear()
+        # >>> auto budget
+        for req_ids in (
+            scheduler_output.finished_req_ids,
+            scheduler_output.preempted_req_ids,
+        ):
+            for req_id in req_ids or ():
+                self._grammar_trees.pop(req_id, None)
+        # <<< auto budget
 
     def prepare_tree_inputs(self, scheduler_output, spec_decode_metadata) -> None:
         """End of ``_prepare_inputs``: the trees of the scheduled drafts, their
@@ -265,6 +277,17 @@ class DDTreeVerifier:
         self.num_chain_fallbacks += sum(
             1 for b, n in enumerate(num_drafts) if n and step.scheduled[b] is None
         )
+        # >>> auto budget
+        if self.budget is not None:
+            host_depths = step.host_tree.depths
+            for b, scheduled in enumerate(step.scheduled):
+                if scheduled is not None and scheduled.grammar_shaped:
+                    n = num_drafts[b]
+                    self._grammar_trees[req_ids[b]] = (
+                        list(scheduled.path_probs or [1.0] * n),
+                        host_depths[b, 1 : n + 1].tolist(),
+                    )
+        # <<< auto budget
 
         # RoPE positions of tree rows: root position + depth (slots stay linear);
         # rows and positions from the host tree, one pinned copy.
@@ -484,7 +507,10 @@ class DDTreeVerifier:
             tree = drafter.last_tree
             # >>> auto budget
             if self.budget is not None:
-                tree = dataclasses.replace(tree, num_nodes=self.budget.choose(tree))
+                tree = dataclasses.replace(
+                    tree,
+                    num_nodes=self.budget.choose(tree, self._grammar_values(tree)),
+                )
             # <<< auto budget
             draft = self.proposed.put(
                 list(runner.input_batch.req_ids[:num_reqs]),
@@ -513,6 +539,36 @@ class DDTreeVerifier:
         self._plan = None
         return draft
 
+    # >>> auto budget
+    def _grammar_values(self, tree):
+        """The auto budget's grammar-shaped values of the batch's structured
+        requests: their last grammar-built trees (``BudgetController.choose``)."""
+        rows = [
+            b
+            for b in self.runner.drafter.candidate_rows
+            if b < tree.num_reqs
+            and self.runner.input_batch.req_ids[b] in self._grammar_trees
+        ]
+        if not rows:
+            return None
+        width = tree.tokens.shape[1] - 1
+        probs = torch.zeros(len(rows), width)
+        depths = torch.zeros(len(rows), width, dtype=torch.int64)
+        for i, b in enumerate(rows):
+            path_probs, node_depths = self._grammar_trees[
+                self.runner.input_batch.req_ids[b]
+            ]
+            n = min(len(path_probs), width)
+            probs[i, :n] = torch.tensor(path_probs[:n])
+            depths[i, :n] = torch.tensor(node_depths[:n])
+        device = tree.tokens.device
+        return (
+            torch_utils.async_tensor_h2d(rows, dtype=torch.int64, device=device),
+            torch_utils.async_tensor_h2d(probs, device=device),
+            torch_utils.async_tensor_h2d(depths, device=device),
+        )
+
+    # <<< auto budget
     def structured_rows(self) -> list[int]:
         """Batch rows of structured requests: their drafter candidates go to the
         scheduler, which builds their trees with the grammar."""

@@ -87,8 +87,9 @@ class TreeBitmaskStats:
     never be accepted); ``grammar_trees`` / ``grammar_nodes`` /
     ``build_seconds``: trees built with the grammar, their nodes and the host
     time of building them (on the scheduler's critical path, between steps);
-    ``bitmask_seconds``: host time of the verify bitmasks (overlapped with the
-    target's forward by vLLM's engine loop).
+    ``bitmask_seconds`` / ``bitmask_calls``: host time of the verify bitmasks
+    (overlapped with the target's forward by vLLM's engine loop), and how many
+    there were (one per step with a constrained request).
     """
 
     nodes: int = 0
@@ -97,6 +98,7 @@ class TreeBitmaskStats:
     grammar_nodes: int = 0
     build_seconds: float = 0.0
     bitmask_seconds: float = 0.0
+    bitmask_calls: int = 0
 
 
 def bitmask_stats(manager: Any) -> TreeBitmaskStats:
@@ -223,7 +225,9 @@ def tree_grammar_bitmask(
     bitmask = manager._grammar_bitmask
     if row < bitmask.shape[0]:
         bitmask = bitmask[:row]
-    bitmask_stats(manager).bitmask_seconds += time.perf_counter() - started
+    stats = bitmask_stats(manager)
+    stats.bitmask_seconds += time.perf_counter() - started
+    stats.bitmask_calls += 1
     return bitmask.numpy()
 
 
