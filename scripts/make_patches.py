@@ -407,20 +407,24 @@ STRUCTURED_EDITS = [
         "            num_spec_tokens_to_schedule=num_spec_tokens_to_schedule,\n",
         "            num_spec_tokens_to_schedule=num_spec_tokens_to_schedule,\n"
         "            scheduled_draft_trees=self._scheduled_draft_trees(\n"
-        "                scheduled_spec_decode_tokens\n"
+        "                num_scheduled_tokens, scheduled_spec_decode_tokens\n"
         "            ),\n",
     ),
     (
         "vllm/v1/core/sched/scheduler.py",
         "    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:\n",
         "    def _scheduled_draft_trees(\n"
-        "        self, scheduled_spec_decode_tokens: dict[str, list[int]]\n"
+        "        self,\n"
+        "        num_scheduled_tokens: dict[str, int],\n"
+        "        scheduled_spec_decode_tokens: dict[str, list[int]],\n"
         "    ) -> dict[str, Any]:\n"
         "        spec_config = self.vllm_config.speculative_config\n"
         "        if spec_config is None or not spec_config.use_ddtree():\n"
         "            return {}\n"
         f"        from {_ROUND_TRIP_MODULE} import scheduled_draft_trees\n\n"
-        "        return scheduled_draft_trees(self.requests, scheduled_spec_decode_tokens)\n\n"
+        "        return scheduled_draft_trees(\n"
+        "            self.requests, num_scheduled_tokens, scheduled_spec_decode_tokens\n"
+        "        )\n\n"
         "    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:\n"
         "        if draft_token_ids.draft_parents is not None:\n"
         "            # ddtree: the drafts are trees, kept with their structure; a\n"

@@ -83,21 +83,27 @@ def test_the_scheduler_sends_back_the_scheduled_prefix():
     n = len(drafts[0])
     for cut in range(n + 1):
         # vLLM shortens drafts under token-budget pressure: a prefix.
-        trees = scheduled_draft_trees(requests, {"a": drafts[0][:cut], "b": drafts[1]})
+        scheduled = {"a": drafts[0][:cut], "b": drafts[1]}
+        trees = scheduled_draft_trees(requests, {"a": cut + 1, "b": 1}, scheduled)
         assert trees["a"].parents == sent.draft_parents[0][: cut + 1]
         assert trees["a"].path_probs == sent.draft_path_probs[0][:cut]
         assert trees["b"].parents == sent.draft_parents[1]
         assert not trees["a"].grammar_shaped
     # Drafts that are not the record's (vLLM's -1 padding): no tree, a chain.
-    assert scheduled_draft_trees(requests, {"a": [-1] * 3}) == {}
-    assert scheduled_draft_trees({"x": _request()}, {"x": [1]}) == {}
+    assert scheduled_draft_trees(requests, {"a": 4}, {"a": [-1] * 3}) == {}
+    assert scheduled_draft_trees({"x": _request()}, {"x": 2}, {"x": [1]}) == {}
+    # A request scheduled without drafts has no tree.
+    assert scheduled_draft_trees(requests, {"a": 1}, {}) == {}
 
 
 def test_a_grammar_built_tree_replaces_the_workers():
     _, proposed, drafts = _trees()
     sent = proposed.attach(_draft_token_ids("ab", drafts))
     sent.draft_candidates = {"b": "candidates of b"}
-    built = DraftTreeRecord([9, 8, 7], [-1, 0, 0, 1], [0.5, 0.4, 0.3], True)
+    values = ([0.5, 0.4, 0.3, 0.1], [1, 1, 2, 2])  # before the price cut
+    built = DraftTreeRecord(
+        [9, 8, 7], [-1, 0, 0, 1], [0.5, 0.4, 0.3], True, grammar_values=values
+    )
     seen = []
 
     def grammar_tree(request, candidates):
@@ -110,5 +116,10 @@ def test_a_grammar_built_tree_replaces_the_workers():
     assert sent.draft_token_ids[1] == [9, 8, 7]  # what vLLM stores as drafts
     assert record_of(requests["b"]) is built
     assert record_of(requests["a"]).tokens == drafts[0]
-    trees = scheduled_draft_trees(requests, {"b": [9, 8]})
+    trees = scheduled_draft_trees(requests, {"a": 1, "b": 3}, {"b": [9, 8]})
+    assert list(trees) == ["b"]
     assert trees["b"].parents == [-1, 0, 0] and trees["b"].grammar_shaped
+    assert trees["b"].grammar_values == values
+    # Scheduled without drafts (the price kept none): its values still go.
+    trees = scheduled_draft_trees(requests, {"b": 1}, {})
+    assert trees["b"].parents == [-1] and trees["b"].grammar_values == values

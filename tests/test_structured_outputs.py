@@ -212,10 +212,10 @@ def checked_trees(monkeypatch):
     counts = {"trees": 0, "nodes": 0, "unreachable": 0}
     scheduled = plugin_hooks.scheduled_draft_trees
 
-    def checking(requests, scheduled_tokens):
-        trees = scheduled(requests, scheduled_tokens)
+    def checking(requests, num_scheduled_tokens, scheduled_tokens):
+        trees = scheduled(requests, num_scheduled_tokens, scheduled_tokens)
         for req_id, tree in trees.items():
-            if not tree.grammar_shaped:
+            if not tree.grammar_shaped or len(tree.parents) == 1:
                 continue
             grammar = requests[req_id].structured_output_request.grammar
             tokens = scheduled_tokens[req_id]

@@ -492,9 +492,10 @@ class BudgetController:
                 counts, deepest_chosen = torch.zeros_like(skip_counts), 0
         # A node of a grammar-built tree pays when its value beats the rate of
         # this step (or of plain decoding, when no drafted prefix does) over the
-        # seconds one more verify row costs.
+        # seconds one more verify row costs (past the first node: the tree's
+        # own overhead is the drafting decision's, not a node's).
         rate = drafting if self._drafting else max(skipping, plain)
-        k = min(int(drafted_nodes), verify.shape[0] - 2)
+        k = min(max(int(drafted_nodes), 1), verify.shape[0] - 2)
         self._node_price = max(rate * float(verify[k + 1] - verify[k]), 0.0)
         counts = torch.minimum(counts, num_nodes)
         self._drafted_histogram.index_add_(

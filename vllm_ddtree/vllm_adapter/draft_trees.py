@@ -70,6 +70,10 @@ class ScheduledDraftTree:
     # Built with the request's grammar (its path probabilities renormalised over
     # the tokens the grammar allows): calibrated apart from the drafter's own.
     grammar_shaped: bool = False
+    # Grammar-built with the auto budget: (path probabilities, depths) of the
+    # whole best-first tree before the node price cut it, what the budget
+    # values the request's next tree by.
+    grammar_values: tuple[list[float], list[int]] | None = None
 
 
 @dataclass
@@ -85,6 +89,7 @@ class DraftTreeRecord:
     # ``num_tokens`` (the grammar has not moved).
     grammar_rows: list[Any] | None = None
     num_tokens: int = -1
+    grammar_values: tuple[list[float], list[int]] | None = None
 
     def scheduled(self, tokens: list[int]) -> ScheduledDraftTree | None:
         """The tree of the scheduled ``tokens`` (a prefix of the record's), or
@@ -93,7 +98,9 @@ class DraftTreeRecord:
         if n > len(self.tokens) or self.tokens[:n] != list(tokens):
             return None
         probs = None if self.path_probs is None else self.path_probs[:n]
-        return ScheduledDraftTree(self.parents[: n + 1], probs, self.grammar_shaped)
+        return ScheduledDraftTree(
+            self.parents[: n + 1], probs, self.grammar_shaped, self.grammar_values
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -254,15 +261,22 @@ def store_draft_trees(
 
 
 def scheduled_draft_trees(
-    requests: dict[str, Any], scheduled_spec_decode_tokens: dict[str, list[int]]
+    requests: dict[str, Any],
+    num_scheduled_tokens: dict[str, int],
+    scheduled_spec_decode_tokens: dict[str, list[int]],
 ) -> dict[str, ScheduledDraftTree]:
     """End of ``Scheduler.schedule``: the tree of every request's scheduled
     drafts (``SchedulerOutput.scheduled_draft_trees``); requests without one are
-    verified as a chain."""
+    verified as a chain. A scheduled request whose grammar-built tree kept no
+    node gets an empty tree too: it carries the tree's values for the auto
+    budget."""
     trees = {}
-    for req_id, tokens in scheduled_spec_decode_tokens.items():
+    for req_id in num_scheduled_tokens:
+        tokens = scheduled_spec_decode_tokens.get(req_id, ())
         record = getattr(requests.get(req_id), RECORD_ATTR, None)
-        tree = None if record is None else record.scheduled(tokens)
+        if record is None or not (tokens or record.grammar_values):
+            continue
+        tree = record.scheduled(tokens)
         if tree is not None:
             trees[req_id] = tree
     return trees

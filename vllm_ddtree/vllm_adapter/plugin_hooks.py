@@ -163,7 +163,9 @@ def schedule_hook(schedule):
         output = schedule(self, *args, **kwargs)
         if get_ddtree_config(self.vllm_config) is not None:
             output.scheduled_draft_trees = scheduled_draft_trees(
-                self.requests, output.scheduled_spec_decode_tokens
+                self.requests,
+                output.num_scheduled_tokens,
+                output.scheduled_spec_decode_tokens,
             )
         return output
 

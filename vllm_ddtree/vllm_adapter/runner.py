@@ -136,8 +136,8 @@ class DDTreeVerifier:
         self._drafter_seconds = 0.0
         self._propose_started = 0.0
         # req_id -> (path probabilities, depths) of the last grammar-built tree
-        # the scheduler sent: the auto budget values the request's next tree by
-        # it.
+        # the scheduler built (before its node price cut it): the auto budget
+        # values the request's next tree by it.
         self._grammar_trees: dict[str, tuple[list[float], list[int]]] = {}
         # <<< auto budget
         # This step's state, from prepare_tree_inputs to after_propose.
@@ -245,6 +245,13 @@ class DDTreeVerifier:
         self._step = None
         self._plan = None
         self._linear_positions = None
+        trees = getattr(scheduler_output, "scheduled_draft_trees", None) or {}
+        # >>> auto budget
+        if self.budget is not None:
+            for req_id, tree in trees.items():
+                if tree.grammar_values is not None:
+                    self._grammar_trees[req_id] = tree.grammar_values
+        # <<< auto budget
         if spec_decode_metadata is None:
             return
         num_reqs = runner.input_batch.num_reqs
@@ -271,23 +278,12 @@ class DDTreeVerifier:
             scheduled,
             query_start[1:],
             roots,
-            getattr(scheduler_output, "scheduled_draft_trees", None) or {},
+            trees,
             runner.positions.device,
         )
         self.num_chain_fallbacks += sum(
             1 for b, n in enumerate(num_drafts) if n and step.scheduled[b] is None
         )
-        # >>> auto budget
-        if self.budget is not None:
-            host_depths = step.host_tree.depths
-            for b, scheduled in enumerate(step.scheduled):
-                if scheduled is not None and scheduled.grammar_shaped:
-                    n = num_drafts[b]
-                    self._grammar_trees[req_ids[b]] = (
-                        list(scheduled.path_probs or [1.0] * n),
-                        host_depths[b, 1 : n + 1].tolist(),
-                    )
-        # <<< auto budget
 
         # RoPE positions of tree rows: root position + depth (slots stay linear);
         # rows and positions from the host tree, one pinned copy.

@@ -142,6 +142,12 @@ def grammar_draft_tree(
         max_depth=candidates.max_nodes,
     )
     n = _valued_prefix(tree.log_scores, tree.parents, candidates)
+    values = None
+    if candidates.depth_factors is not None:
+        depths = [0] * len(tree.parents)
+        for node in range(1, len(tree.parents)):
+            depths[node] = depths[tree.parents[node]] + 1
+        values = ([math.exp(s) for s in tree.log_scores[1:]], depths[1:])
     record = DraftTreeRecord(
         tokens=tree.tokens[1 : n + 1],
         parents=tree.parents[: n + 1],
@@ -149,6 +155,7 @@ def grammar_draft_tree(
         grammar_shaped=True,
         grammar_rows=[None if r is None else r.bitmask_row for r in tree.rows[: n + 1]],
         num_tokens=request.num_tokens,
+        grammar_values=values,
     )
     stats = bitmask_stats(manager)
     stats.grammar_trees += 1
