@@ -85,9 +85,12 @@ def test_the_scheduler_sends_back_the_scheduled_prefix():
         # vLLM shortens drafts under token-budget pressure: a prefix.
         scheduled = {"a": drafts[0][:cut], "b": drafts[1]}
         trees = scheduled_draft_trees(requests, {"a": cut + 1, "b": 1}, scheduled)
+        assert trees["b"].parents == sent.draft_parents[1]
+        if cut == 0:
+            assert "a" not in trees  # no drafts, no tree
+            continue
         assert trees["a"].parents == sent.draft_parents[0][: cut + 1]
         assert trees["a"].path_probs == sent.draft_path_probs[0][:cut]
-        assert trees["b"].parents == sent.draft_parents[1]
         assert not trees["a"].grammar_shaped
     # Drafts that are not the record's (vLLM's -1 padding): no tree, a chain.
     assert scheduled_draft_trees(requests, {"a": 4}, {"a": [-1] * 3}) == {}
