@@ -288,3 +288,18 @@ def test_the_node_price_keeps_the_prefix_worth_it(compiler):
         )
         expected = sum(1 for p in probs if min(factor * p, 1.0) >= price)
         assert len(kept.tokens) == expected and kept.tokens == whole.tokens[:expected]
+
+
+def test_without_drafts_the_tree_is_the_forced_run(compiler):
+    """A pass the auto budget skipped sends no drafted position: the tree is the
+    run the grammar forces (here "xyz" after the committed "ab-1"), which stops
+    where the grammar allows a choice."""
+    ctx = compiler.compile_regex(r"ab-1xyz(0|1)")
+    grammar = XgrammarGrammar(matcher=xgr.GrammarMatcher(ctx), vocab_size=VOCAB, ctx=ctx)
+    assert grammar.accept_tokens("r", list(COMMITTED))
+    req = request(compiler, "r")
+    req.structured_output_request.grammar = grammar
+    record = grammar_draft_tree(manager(16), req, GrammarCandidates([], [], 12))
+    assert record.tokens == list(b"xyz") and record.parents == [-1, 0, 1, 2]
+    assert record.path_probs == [1.0, 1.0, 1.0]
+    assert grammar.accept_tokens("r", [ord("x")])  # the matcher did not move

@@ -184,6 +184,17 @@ class ProposedTrees:
                 )
         return drafts
 
+    # >>> auto budget
+    def put_forced_only(self, req_ids: list[str], rows: list[int], make_candidates) -> None:
+        """A pass without drafts (the auto budget skipped the drafter): the
+        structured requests at batch rows ``rows`` get trees of the tokens their
+        grammar forces, candidates with no drafted position (``make_candidates``
+        as in :meth:`put`)."""
+        self.clear()
+        for b in rows:
+            self._candidates[req_ids[b]] = make_candidates(b, [], [])
+
+    # <<< auto budget
     def attach(self, draft_token_ids: Any) -> Any:
         """Adds each request's parents (root first), path probabilities and
         grammar candidates to a ``DraftTokenIds``; returns it. Drafts this pass

@@ -487,6 +487,13 @@ class DDTreeVerifier:
         budget.record_drafter(False, num_reqs, seconds - drafter.flush_seconds)
         self._step = None
         self._plan = None
+        # Structured requests still get the tokens their grammar forces: the
+        # scheduler builds those trees without drafter candidates.
+        self.proposed.put_forced_only(
+            list(runner.input_batch.req_ids[:num_reqs]),
+            [b for b in drafter.candidate_rows if b < num_reqs],
+            self._grammar_candidates,
+        )
         return torch.empty(num_reqs, 0, dtype=torch.int64, device=runner.device)
 
     # <<< auto budget

@@ -121,7 +121,9 @@ def grammar_draft_tree(
     Past the drafter's L positions the tree continues where the grammar alone
     decides the tokens (forced runs, up to ``max_nodes`` deep): such a node
     costs one verify row and is accepted whenever its parent is, since the
-    target, masked by the same grammar, can only sample the forced token.
+    target, masked by the same grammar, can only sample the forced token. With
+    no drafted position (a pass the auto budget skipped) the tree is the forced
+    run alone.
     """
     so_request = request.structured_output_request
     grammar = None if so_request is None else so_request.grammar
@@ -133,9 +135,14 @@ def grammar_draft_tree(
         return None
     started = time.perf_counter()
     cursor = GrammarCursor(grammar, manager.backend.vocab_size, request.request_id)
+    depth = len(candidates.log_probs)  # 0: forced tokens only
     tree = build_grammar_tree(
-        np.asarray(candidates.log_probs, dtype=np.float64),
-        np.asarray(candidates.token_ids, dtype=np.int64),
+        np.asarray(candidates.log_probs, dtype=np.float64).reshape(depth, -1)
+        if depth
+        else np.zeros((0, 0)),
+        np.asarray(candidates.token_ids, dtype=np.int64).reshape(depth, -1)
+        if depth
+        else np.zeros((0, 0), dtype=np.int64),
         candidates.max_nodes,
         request.all_token_ids[-1],
         cursor,
