@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Grammar-guided tree construction (vllm_ddtree.grammar_tree) with xgrammar,
-through vLLM's XgrammarGrammar: every node reachable, the exact top-B of the
-renormalised score (brute force), forced runs free and past the drafter's depth,
-the matcher left where it was."""
+"""Grammar-guided tree construction (vllm_ddtree.grammar_tree) with
+xgrammar, through vLLM's XgrammarGrammar: every node reachable, the exact top-B
+of the renormalised score (brute force), forced runs free and past the
+drafter's depth, the matcher left where it was."""
 
 from __future__ import annotations
 

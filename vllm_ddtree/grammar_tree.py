@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Grammar-guided DDTree construction (issue 31, first part: the builder).
+"""Grammar-guided DDTree construction: a structured request's draft tree.
 
 A constrained request's tree is built from the drafter's per-depth top-K
 candidates *and* its grammar: a node is only ever a token the grammar allows
@@ -13,8 +13,9 @@ depth L, extend it where the grammar alone decides the tokens.
 Scores are non-increasing from a node to its children (log-probabilities are
 <= 0), so the best-first heap of the DDTree reference builds the exact top-B
 prefix-closed tree of this grammar-shaped score (DDTree,
-https://arxiv.org/abs/2604.12989, Prop. 2). Ties break as in
-:mod:`vllm_ddtree.tree`: (-score, depth, parent position in its depth, rank).
+https://arxiv.org/abs/2604.12989, Prop. 2). Ties break as in the
+drafter's tree builder (:mod:`vllm_ddtree.tree`): (-score, depth, parent
+position in its depth, rank).
 
 Lossless whatever the tree: verification masks the target with the same
 grammar, so the tree only decides what is *proposed*.
