@@ -135,30 +135,24 @@ def grammar_draft_tree(
         return None
     started = time.perf_counter()
     cursor = GrammarCursor(grammar, manager.backend.vocab_size, request.request_id)
-    depth = len(candidates.log_probs)  # 0: forced tokens only
     tree = build_grammar_tree(
-        np.asarray(candidates.log_probs, dtype=np.float64).reshape(depth, -1)
-        if depth
-        else np.zeros((0, 0)),
-        np.asarray(candidates.token_ids, dtype=np.int64).reshape(depth, -1)
-        if depth
-        else np.zeros((0, 0), dtype=np.int64),
+        _per_depth(candidates.log_probs, np.float64),
+        _per_depth(candidates.token_ids, np.int64),
         candidates.max_nodes,
         request.all_token_ids[-1],
         cursor,
         max_depth=candidates.max_nodes,
     )
-    n = _valued_prefix(tree.log_scores, tree.parents, candidates)
-    values = None
-    if candidates.depth_factors is not None:
-        depths = [0] * len(tree.parents)
-        for node in range(1, len(tree.parents)):
-            depths[node] = depths[tree.parents[node]] + 1
-        values = ([math.exp(s) for s in tree.log_scores[1:]], depths[1:])
+    probs = [math.exp(s) for s in tree.log_scores[1:]]
+    depths = [0] * len(tree.parents)
+    for node in range(1, len(tree.parents)):
+        depths[node] = depths[tree.parents[node]] + 1
+    n = _valued_prefix(probs, depths[1:], candidates)
+    values = None if candidates.depth_factors is None else (probs, depths[1:])
     record = DraftTreeRecord(
         tokens=tree.tokens[1 : n + 1],
         parents=tree.parents[: n + 1],
-        path_probs=[math.exp(s) for s in tree.log_scores[1 : n + 1]],
+        path_probs=probs[:n],
         grammar_shaped=True,
         grammar_rows=[None if r is None else r.bitmask_row for r in tree.rows[: n + 1]],
         num_tokens=request.num_tokens,
@@ -171,23 +165,28 @@ def grammar_draft_tree(
     return record
 
 
+def _per_depth(values: list[list], dtype) -> np.ndarray:
+    """[L, K] candidates as an array ([0, 0] without a drafted position)."""
+    if not values:
+        return np.zeros((0, 0), dtype=dtype)
+    return np.asarray(values, dtype=dtype).reshape(len(values), -1)
+
+
 def _valued_prefix(
-    log_scores: list[float], parents: list[int], candidates: GrammarCandidates
+    probs: list[float], depths: list[int], candidates: GrammarCandidates
 ) -> int:
-    """Nodes of the best-first prefix whose calibrated value reaches
-    ``candidates.min_value`` (all of them without a price)."""
+    """Nodes of the best-first prefix (path probabilities ``probs``, depths
+    ``depths``) whose calibrated value reaches ``candidates.min_value`` (all of
+    them without a price)."""
     if candidates.min_value <= 0 or candidates.depth_factors is None:
-        return len(log_scores) - 1
+        return len(probs)
     factors = candidates.depth_factors
-    depth = [0] * len(parents)
     running = 1.0
-    for node in range(1, len(parents)):
-        depth[node] = depth[parents[node]] + 1
-        factor = factors[min(depth[node], len(factors) - 1)]
-        running = min(running, factor * math.exp(log_scores[node]), 1.0)
+    for i, (prob, depth) in enumerate(zip(probs, depths, strict=True)):
+        running = min(running, factors[min(depth, len(factors) - 1)] * prob, 1.0)
         if running < candidates.min_value:
-            return node - 1
-    return len(parents) - 1
+            return i
+    return len(probs)
 
 
 def validate_draft_tree(spec_tokens: list[int]) -> list[int]:
