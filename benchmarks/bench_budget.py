@@ -224,10 +224,10 @@ class DecisionTrace:
         choose, record_step = controller.choose, controller.record_step
         update = controller.calibration.update
 
-        def traced_choose(tree):
+        def traced_choose(tree, grammar_values=None):
             before = self._predict(tree)
             values = before.pop("values", None)
-            counts = choose(tree)
+            counts = choose(tree, grammar_values)
             before["chosen_nodes"] = int(counts.sum())
             before["drafting_on"] = controller._skip_left == 0
             if values is not None:  # what the controller expects of the verified nodes
