@@ -207,10 +207,10 @@ def checked_trees(monkeypatch):
     scheduled, against the request's grammar with vLLM's ``validate_tokens``
     (a path the grammar rejects is cut short there): {"trees", "nodes",
     "unreachable"}."""
-    from vllm_ddtree.vllm_adapter import plugin_hooks
+    from vllm_ddtree.vllm_adapter import draft_trees
 
     counts = {"trees": 0, "nodes": 0, "unreachable": 0}
-    scheduled = plugin_hooks.scheduled_draft_trees
+    scheduled = draft_trees.scheduled_draft_trees
 
     def checking(requests, num_scheduled_tokens, scheduled_tokens):
         trees = scheduled(requests, num_scheduled_tokens, scheduled_tokens)
@@ -230,7 +230,7 @@ def checked_trees(monkeypatch):
                     counts["unreachable"] += 1
         return trees
 
-    monkeypatch.setattr(plugin_hooks, "scheduled_draft_trees", checking)
+    monkeypatch.setattr(draft_trees, "scheduled_draft_trees", checking)
     return counts
 
 

@@ -24,6 +24,7 @@ import functools
 import os
 from typing import Any
 
+from vllm_ddtree.vllm_adapter import draft_trees
 from vllm_ddtree.vllm_adapter.checks import (
     gpu_backend_per_kind,
     gpu_compilation_settings,
@@ -36,10 +37,6 @@ from vllm_ddtree.vllm_adapter.config import (
     check_no_stray_keys,
     get_ddtree_config,
     resolve_ddtree_config,
-)
-from vllm_ddtree.vllm_adapter.draft_trees import (
-    scheduled_draft_trees,
-    store_draft_trees,
 )
 from vllm_ddtree.vllm_adapter.structured_output import (
     grammar_draft_tree,
@@ -143,7 +140,7 @@ def update_draft_token_ids_hook(update_draft_token_ids):
     def wrapper(self, draft_token_ids):
         if getattr(draft_token_ids, "draft_parents", None) is not None:
             manager = self.structured_output_manager
-            store_draft_trees(
+            draft_trees.store_draft_trees(
                 self.requests,
                 draft_token_ids,
                 functools.partial(grammar_draft_tree, manager),
@@ -162,7 +159,7 @@ def schedule_hook(schedule):
     def wrapper(self, *args, **kwargs):
         output = schedule(self, *args, **kwargs)
         if get_ddtree_config(self.vllm_config) is not None:
-            output.scheduled_draft_trees = scheduled_draft_trees(
+            output.scheduled_draft_trees = draft_trees.scheduled_draft_trees(
                 self.requests,
                 output.num_scheduled_tokens,
                 output.scheduled_spec_decode_tokens,

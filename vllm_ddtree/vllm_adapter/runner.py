@@ -425,7 +425,7 @@ class DDTreeVerifier:
             in its block.
         """
         runner = self.runner
-        runner.drafter.candidate_rows = self.structured_rows()
+        runner.drafter.candidate_rows = self._structured_rows()
         plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -572,7 +572,7 @@ class DDTreeVerifier:
         )
 
     # <<< auto budget
-    def structured_rows(self) -> list[int]:
+    def _structured_rows(self) -> list[int]:
         """Batch rows of structured requests: their drafter candidates go to the
         scheduler, which builds their trees with the grammar."""
         runner = self.runner
