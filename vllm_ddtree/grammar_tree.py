@@ -68,6 +68,7 @@ class GrammarTree:
     parents: list[int]  # [n + 1], -1 for the root
     log_scores: list[float]  # [n + 1] path log-probability (renormalised)
     rows: list[NodeGrammar]  # [n + 1] the grammar after each node's path
+    depths: list[int]  # [n + 1] 0 for the root
 
     @property
     def num_nodes(self) -> int:
@@ -154,18 +155,17 @@ def build_grammar_tree(
     depth_limit = log_probs.shape[0]
     max_depth = depth_limit if max_depth is None else max(max_depth, 0)
     root_row = grammar_at(())
-    tree = GrammarTree([int(root_token)], [-1], [0.0], [root_row])
+    tree = GrammarTree([int(root_token)], [-1], [0.0], [root_row], [0])
     if budget <= 0 or root_row is None:
         return tree
     paths: list[tuple[int, ...]] = [()]
-    depth_of = [0]
     order_in_depth = [0]  # position of a node among popped nodes of its depth
     popped_per_depth: dict[int, int] = {}
     heap: list[tuple[float, int, int, int, int, int]] = []
 
     def push_children(node: int) -> None:
         row = tree.rows[node]
-        depth = depth_of[node]
+        depth = tree.depths[node]
         if row is None or depth >= max_depth:
             return
         if row.forced is not None:
@@ -205,7 +205,7 @@ def build_grammar_tree(
         tree.log_scores.append(-neg)
         tree.rows.append(grammar_at(path))
         paths.append(path)
-        depth_of.append(depth)
+        tree.depths.append(depth)
         order_in_depth.append(popped_per_depth.get(depth, 0))
         popped_per_depth[depth] = order_in_depth[-1] + 1
         push_children(node)

@@ -284,7 +284,7 @@ def scheduled_draft_trees(
     trees = {}
     for req_id in num_scheduled_tokens:
         tokens = scheduled_spec_decode_tokens.get(req_id, ())
-        record = getattr(requests.get(req_id), RECORD_ATTR, None)
+        record = record_of(requests.get(req_id))
         if record is None or not (tokens or record.grammar_values):
             continue
         tree = record.scheduled(tokens)

@@ -141,6 +141,8 @@ class DDTreeVerifier:
         self._grammar_trees: dict[str, tuple[list[float], list[int]]] = {}
         # <<< auto budget
         # This step's state, from prepare_tree_inputs to after_propose.
+        # Batch rows of structured requests (sample's scan of the batch).
+        self._structured_rows: list[int] = []
         self._step: StepTrees | None = None
         self._linear_positions: torch.Tensor | None = None
         self._plan: CommitPlan | None = None
@@ -245,6 +247,7 @@ class DDTreeVerifier:
         self._step = None
         self._plan = None
         self._linear_positions = None
+        self._structured_rows = []
         trees = getattr(scheduler_output, "scheduled_draft_trees", None) or {}
         # >>> auto budget
         if self.budget is not None:
@@ -361,6 +364,7 @@ class DDTreeVerifier:
         runner = self.runner
         num_reqs = runner.input_batch.num_reqs
         extras = _scan_requests(runner, num_reqs)
+        self._structured_rows = extras.structured_rows
         # Seeded requests draw their coins from (seed, output position), never from
         # vLLM's per-request torch generators (see _seeded_coins). Drop those, so
         # that _bookkeeping_sync's generator rewind for discarded rows (partial
@@ -425,7 +429,8 @@ class DDTreeVerifier:
             in its block.
         """
         runner = self.runner
-        runner.drafter.candidate_rows = self._structured_rows()
+        # Structured requests' rows, from this step's scan in sample().
+        runner.drafter.candidate_rows = self._structured_rows
         plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -572,19 +577,6 @@ class DDTreeVerifier:
         )
 
     # <<< auto budget
-    def _structured_rows(self) -> list[int]:
-        """Batch rows of structured requests: their drafter candidates go to the
-        scheduler, which builds their trees with the grammar."""
-        runner = self.runner
-        requests = runner.requests
-        rows = []
-        for b, req_id in enumerate(runner.input_batch.req_ids):
-            state = requests.get(req_id)
-            params = None if state is None else state.sampling_params
-            if params is not None and params.structured_outputs is not None:
-                rows.append(b)
-        return rows
-
     def _grammar_candidates(
         self, row: int, log_probs: list[list[float]], token_ids: list[list[int]]
     ) -> GrammarCandidates:
@@ -671,6 +663,7 @@ class _BatchExtras:
         "min_p",
         "logit_bias",
         "history_rows",
+        "structured_rows",
     )
 
     def __init__(self) -> None:
@@ -681,6 +674,9 @@ class _BatchExtras:
         self.logit_bias: list[tuple[int, dict[int, float]]] = []
         # Requests whose edits read the token history (penalties, bad words).
         self.history_rows: list[int] = []
+        # Structured requests: the scheduler builds their trees with their
+        # grammars, from the drafter's candidates.
+        self.structured_rows: list[int] = []
 
     @property
     def needs_own_sampler(self) -> bool:
@@ -715,6 +711,8 @@ def _scan_requests(runner, num_reqs: int) -> _BatchExtras:
             or sp.bad_words_token_ids
         ):
             extras.history_rows.append(b)
+        if sp.structured_outputs is not None:
+            extras.structured_rows.append(b)
         if sp.temperature < SAMPLING_EPS:
             continue
         if sp.seed is not None:

@@ -144,11 +144,9 @@ def grammar_draft_tree(
         max_depth=candidates.max_nodes,
     )
     probs = [math.exp(s) for s in tree.log_scores[1:]]
-    depths = [0] * len(tree.parents)
-    for node in range(1, len(tree.parents)):
-        depths[node] = depths[tree.parents[node]] + 1
-    n = _valued_prefix(probs, depths[1:], candidates)
-    values = None if candidates.depth_factors is None else (probs, depths[1:])
+    depths = tree.depths[1:]
+    n = _valued_prefix(probs, depths, candidates)
+    values = None if candidates.depth_factors is None else (probs, depths)
     record = DraftTreeRecord(
         tokens=tree.tokens[1 : n + 1],
         parents=tree.parents[: n + 1],
