@@ -121,17 +121,23 @@ def follows_schema(workload: str, text: str) -> bool:
             and isinstance(arguments["max_results"], int))
 
 
-GRAMMAR_FIELDS = ("nodes", "unreachable", "grammar_trees", "grammar_nodes",
-                  "build_seconds", "bitmask_seconds", "bitmask_calls")
+STATS_FIELDS = ("nodes", "unreachable", "grammar_trees", "grammar_nodes",
+                "build_seconds", "bitmask_seconds", "bitmask_calls")
+SPAN_FIELDS = ("hints", "matched", "missed")  # the grammar span memory's
+GRAMMAR_FIELDS = STATS_FIELDS + tuple(f"hint_{f}" for f in SPAN_FIELDS)
 
 
 def grammar_stats(engine) -> dict[str, float]:
-    """The engine's scheduler's running TreeBitmaskStats."""
+    """The engine's scheduler's running TreeBitmaskStats and span memory
+    counters."""
+    from vllm_ddtree.vllm_adapter.grammar_spans import grammar_span_memory
     from vllm_ddtree.vllm_adapter.structured_output import bitmask_stats
 
-    core = engine.llm.llm_engine.engine_core.engine_core
-    stats = bitmask_stats(core.scheduler.structured_output_manager)
-    return {f: getattr(stats, f) for f in GRAMMAR_FIELDS}
+    manager = engine.llm.llm_engine.engine_core.engine_core.scheduler.structured_output_manager
+    stats = bitmask_stats(manager)
+    memory = grammar_span_memory(manager)
+    return {**{f: getattr(stats, f) for f in STATS_FIELDS},
+            **{f"hint_{f}": getattr(memory, f) for f in SPAN_FIELDS}}
 
 
 def run(engines, args, prompt_sets, timers, tokenizer) -> list[dict]:
@@ -270,8 +276,8 @@ def report(out_dir: Path, tag: str, info: dict, agg: list[dict], goals: list[dic
               f"{'PASS' if g['pass'] else 'FAIL'}" for g in goals]
     lines += ["", "| T | batch | workload | method | tau | tok/s | vs nospec | finished | "
               "schema ok | grammar trees | nodes/tree | unreachable | build ms/step | "
-              "build us/node | bitmask ms/call | " + " | ".join(f"{s} %" for s in SECTIONS)
-              + " |", "|---:|---:|---|---|" + "---:|" * (11 + len(SECTIONS))]
+              "build us/node | bitmask ms/call | hints | hint tokens emitted | " + " | ".join(f"{s} %" for s in SECTIONS)
+              + " |", "|---:|---:|---|---|" + "---:|" * (13 + len(SECTIONS))]
     for r in agg:
         base = next(b for b in agg if b["method"] == "nospec" and (
             b["temperature"], b["batch"], b["workload"]) == (
@@ -285,9 +291,11 @@ def report(out_dir: Path, tag: str, info: dict, agg: list[dict], goals: list[dic
                        f"{g['unreachable']} of {g['nodes']} | "
                        f"{1e3 * g['build_seconds'] / steps:.2f} | "
                        f"{1e6 * g['build_seconds'] / max(g['grammar_nodes'], 1):.0f} | "
-                       f"{1e3 * g['bitmask_seconds'] / max(g['bitmask_calls'], 1):.2f}")
+                       f"{1e3 * g['bitmask_seconds'] / max(g['bitmask_calls'], 1):.2f} | "
+                       f"{g['hint_hints']} | {g['hint_matched']} "
+                       f"({g['hint_missed']} left early)")
         else:
-            grammar = "- | - | - | - | - | -"
+            grammar = "- | - | - | - | - | - | - | -"
         lines.append(
             f"| {r['temperature']:g} | {r['batch']} | {r['workload']} | {r['method']} | {tau} | "
             f"{r['tokens_per_s']:.2f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
@@ -299,7 +307,10 @@ def report(out_dir: Path, tag: str, info: dict, agg: list[dict], goals: list[dic
               "the build's host time per verify step and per node: between steps, on the "
               "critical path); the verify bitmask reuses the build's rows (`bitmask ms/call`, "
               "one call per step with a constrained request, while the forward runs, in "
-              "`other`). `unreachable` = scheduled nodes "
+              "`other`). `hints`: trees given a span the target emitted the last time "
+              "its grammar was in that state (grammar span memory), `hint tokens emitted`: "
+              "how many of their tokens the target then emitted (and how many hints it "
+              "left before their end). `unreachable` = scheduled nodes "
               "their parent's grammar row masks out; `finished` = replies that ended before "
               "max_tokens.", ""]
     (out_dir / f"{tag}.md").write_text("\n".join(lines) + "\n")

@@ -304,6 +304,48 @@ def test_forced_runs_are_accepted_in_full(models, scripted_drafter, monkeypatch)
         assert stats["accepted"] == len(ref[0]) - 1 > BLOCK_SIZE - 1, (stats, ref)
 
 
+def test_a_repeated_state_replays_the_target_s_last_span(models, scripted_drafter,
+                                                        monkeypatch):
+    """Span memory end to end: after its first letter the grammar forces "xxx",
+    then lets the target choose. A drafter that only proposes a token the
+    grammar never allows drafts nothing but the forced run; the second identical
+    request also gets the first one's 8 tokens from that state (the run and 5
+    chosen letters) as a hint, and accepts all of them in one verify step."""
+    from vllm_ddtree.vllm_adapter.grammar_spans import grammar_span_memory
+
+    target, drafter = models
+    monkeypatch.setitem(CONSTRAINTS, "spans", StructuredOutputsParams(regex="[a-c]x{3}[a-z]{10}"))
+    request = [(prompts(1, seed=9)[0], "spans")]
+    reference, _ = generate(target, request)
+
+    def junk(proposer, runner, req_ids, committed, logits):
+        script = torch.zeros_like(logits)
+        script[:, ord("{")] = 8.0
+        return script
+
+    scripted_drafter(junk)
+    llm = make_llm(target, ddtree(drafter, 16))
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                 structured_outputs=CONSTRAINTS["spans"])
+    accepted = []
+    for _ in range(2):
+        before = spec_counters(llm)
+        out = llm.generate([{"prompt_token_ids": request[0][0]}], params, use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == reference[0][0]
+        accepted.append(spec_counters(llm)["accepted"] - before["accepted"])
+    memory = grammar_span_memory(
+        llm.llm_engine.engine_core.engine_core.scheduler.structured_output_manager
+    )
+    del llm
+    assert accepted[1] == accepted[0] + memory.span_tokens - 3, accepted
+    assert memory.hints == 1 and (memory.matched, memory.missed) == (8, 0)
+
+
+def spec_counters(llm) -> dict[str, float]:
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return {"accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0)}
+
+
 def test_other_grammar_backends_are_refused_per_request(models):
     target, drafter = models
     llm = make_llm(target, ddtree(drafter), max_model_len=256,

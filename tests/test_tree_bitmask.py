@@ -113,6 +113,7 @@ def request(compiler, req_id: str, reasoning: bool = False):
         reasoning_ended=None if reasoning else True,
         reasoner=None,
         reasoning_parser_kwargs=None,
+        structured_output_key=("regex", REGEX),
     )
     return SimpleNamespace(
         request_id=req_id,

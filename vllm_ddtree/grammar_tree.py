@@ -17,6 +17,13 @@ https://arxiv.org/abs/2604.12989, Prop. 2). Ties break as in the
 drafter's tree builder (:mod:`vllm_ddtree.tree`): (-score, depth, parent
 position in its depth, rank).
 
+A *hint* (a token path from the root, e.g. what the target emitted the last
+time its grammar was in this state: :mod:`vllm_ddtree.vllm_adapter.grammar_spans`)
+is proposed next to the drafter's candidates: while a node lies on the hint,
+its hint child takes probability ``hint_prob`` and the drafter's allowed
+candidates share the rest. Like forced runs, a hint continues past the
+drafter's depth.
+
 Lossless whatever the tree: verification masks the target with the same
 grammar, so the tree only decides what is *proposed*.
 
@@ -132,6 +139,8 @@ def build_grammar_tree(
     root_token: int,
     grammar_at: Callable[[Sequence[int]], NodeGrammar | None],
     max_depth: int | None = None,
+    hint: Sequence[int] = (),
+    hint_prob: float = 0.5,
 ) -> GrammarTree:
     """The top-``budget`` grammar-guided tree of one request.
 
@@ -144,7 +153,11 @@ def build_grammar_tree(
         grammar_at: the grammar after a path of draft tokens (root excluded),
             or None when it is terminated there (:class:`GrammarCursor`).
         max_depth: the deepest node; beyond the drafter's L only tokens the
-            grammar forces are added (default L: none beyond it).
+            grammar forces, and the hint's, are added (default L: none beyond
+            it).
+        hint: token path from the root proposed with probability
+            ``hint_prob`` per token, as far as the grammar allows it.
+        hint_prob: the hint's per-token probability, in (0, 1).
 
     Returns:
         The tree, in best-first order (parents before children), with each
@@ -158,7 +171,12 @@ def build_grammar_tree(
     tree = GrammarTree([int(root_token)], [-1], [0.0], [root_row], [0])
     if budget <= 0 or root_row is None:
         return tree
+    if not 0.0 < hint_prob < 1.0:
+        raise ValueError(f"hint_prob must be in (0, 1), got {hint_prob}")
+    hint = [int(t) for t in hint]
+    hint_lp, rest_lp = math.log(hint_prob), math.log1p(-hint_prob)
     paths: list[tuple[int, ...]] = [()]
+    on_hint = [bool(hint)]  # the node's path is a prefix of the hint
     order_in_depth = [0]  # position of a node among popped nodes of its depth
     popped_per_depth: dict[int, int] = {}
     heap: list[tuple[float, int, int, int, int, int]] = []
@@ -168,24 +186,33 @@ def build_grammar_tree(
         depth = tree.depths[node]
         if row is None or depth >= max_depth:
             return
+        hinted = None
+        if on_hint[node] and depth < len(hint):
+            hinted = hint[depth]
+            if not row.allows(np.array([hinted]))[0]:
+                hinted = None
         if row.forced is not None:
             children = [(row.forced, 0.0)]
-        elif depth < depth_limit:
-            cand = token_ids[depth]
-            ok = row.allows(cand)
-            if not ok.any():
-                return
-            lp = log_probs[depth][ok]
-            norm = float(np.logaddexp.reduce(lp))
-            # Best first: a child ranked below the nodes still to add can never
-            # be added (each better sibling would take a node first).
-            room = budget - tree.num_nodes
-            children = [
-                (int(t), float(v) - norm)
-                for t, v in zip(cand[ok][:room], lp[:room], strict=True)
-            ]
         else:
-            return
+            children = [] if hinted is None else [(hinted, hint_lp)]
+            shared = 0.0 if hinted is None else rest_lp
+            if depth < depth_limit:
+                cand = token_ids[depth]
+                ok = row.allows(cand)
+                if hinted is not None:
+                    ok &= cand != hinted
+                lp = log_probs[depth][ok]
+                if lp.size:
+                    norm = float(np.logaddexp.reduce(lp)) - shared
+                    # Best first: a child ranked below the nodes still to add
+                    # can never be added (each better sibling takes one first).
+                    room = budget - tree.num_nodes - len(children)
+                    children += [
+                        (int(t), float(v) - norm)
+                        for t, v in zip(cand[ok][:room], lp[:room], strict=True)
+                    ]
+            if not children:
+                return
         base = tree.log_scores[node]
         for rank, (token, lp) in enumerate(children):
             score = base + lp
@@ -206,6 +233,7 @@ def build_grammar_tree(
         tree.rows.append(grammar_at(path))
         paths.append(path)
         tree.depths.append(depth)
+        on_hint.append(on_hint[parent] and depth <= len(hint) and hint[depth - 1] == token)
         order_in_depth.append(popped_per_depth.get(depth, 0))
         popped_per_depth[depth] = order_in_depth[-1] + 1
         push_children(node)

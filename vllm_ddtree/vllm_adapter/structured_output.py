@@ -44,6 +44,7 @@ from vllm_ddtree.vllm_adapter.draft_trees import (
     chain_parents,
     record_of,
 )
+from vllm_ddtree.vllm_adapter.grammar_spans import grammar_span_memory
 
 __all__ = [
     "GrammarCandidates",
@@ -123,7 +124,10 @@ def grammar_draft_tree(
     costs one verify row and is accepted whenever its parent is, since the
     target, masked by the same grammar, can only sample the forced token. With
     no drafted position (a pass the auto budget skipped) the tree is the forced
-    run alone.
+    run alone, and the hint.
+
+    The hint is what the target emitted the last time a request with this
+    schema was in this grammar state (:mod:`.grammar_spans`).
     """
     so_request = request.structured_output_request
     grammar = None if so_request is None else so_request.grammar
@@ -134,6 +138,8 @@ def grammar_draft_tree(
     ):
         return None
     started = time.perf_counter()
+    memory = grammar_span_memory(manager)
+    hint = memory.hint(request, grammar)
     cursor = GrammarCursor(grammar, manager.backend.vocab_size, request.request_id)
     tree = build_grammar_tree(
         _per_depth(candidates.log_probs, np.float64),
@@ -142,6 +148,8 @@ def grammar_draft_tree(
         request.all_token_ids[-1],
         cursor,
         max_depth=candidates.max_nodes,
+        hint=hint,
+        hint_prob=memory.hint_prob,
     )
     probs = [math.exp(s) for s in tree.log_scores[1:]]
     depths = tree.depths[1:]

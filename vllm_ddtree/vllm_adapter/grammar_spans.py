@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Grammar span memory: what the target emitted the last time a grammar was
+in a state, proposed as a draft-tree hint the next time it is.
+
+Where a grammar fixes the *characters* (JSON keys, punctuation, enum tails), it
+rarely fixes the *tokens*: with a BPE vocabulary a key such as ``"priority"``
+has many spellings, whitespace is often optional, and the target picks one
+spelling it then repeats. So the tokens a grammar forces (probability 1 in the
+tree, :mod:`vllm_ddtree.grammar_tree`) are rare, and jump-forward strings
+tokenised canonically are not what the target emits (measured on SmolLM2:
+about a quarter of such tokens match).
+
+The memory keys a state by its schema and its jump-forward string (xgrammar's
+``find_jump_forward_string``: the characters the grammar forces next) and keeps
+the ``span_tokens`` tokens the target emitted from there, across requests
+(a service's tool calls share their schemas). When a structured request's
+grammar is in a state with a known key, those tokens become the tree's hint:
+proposed with the probability the memory has measured for its hints, as far
+as the grammar allows them. Like suffix decoding
+(https://arxiv.org/abs/2411.04975), but keyed by grammar state rather than by
+the last tokens.
+
+Lossless whatever it proposes: hints are verified like any draft node.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GrammarSpanMemory", "grammar_span_memory"]
+
+# The manager's GrammarSpanMemory; a request's spans still being emitted.
+_MEMORY_ATTR = "ddtree_grammar_spans"
+_PENDING_ATTR = "ddtree_pending_spans"
+
+
+@dataclass
+class _PendingSpan:
+    key: tuple  # (structured output key, jump-forward string)
+    start: int  # index of the span's first token in the request's tokens
+    hint: tuple[int, ...]  # what the memory proposed there (may be empty)
+
+
+class GrammarSpanMemory:
+    """Spans of emitted tokens per (schema, jump-forward string), least
+    recently used dropped beyond ``max_spans``.
+
+    Args:
+        span_tokens: tokens kept per span (the longest hint).
+        max_spans: spans kept.
+    """
+
+    def __init__(self, span_tokens: int = 8, max_spans: int = 4096) -> None:
+        self.span_tokens = span_tokens
+        self.max_spans = max_spans
+        self._spans: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
+        self.hints = 0  # hints proposed
+        self.matched = 0  # hint tokens the target then emitted
+        self.missed = 0  # hints the target left before their end
+
+    @property
+    def hint_prob(self) -> float:
+        """The measured probability that the target emits a hint's next
+        token, given it emitted the ones before (Laplace's rule: 1/2 before
+        any hint was scored)."""
+        return (self.matched + 1) / (self.matched + self.missed + 2)
+
+    def hint(self, request: Any, grammar: Any) -> tuple[int, ...]:
+        """Stores the spans ``request``'s committed tokens completed and scores
+        their hints; returns the hint for the state ``grammar`` (the request's,
+        after its committed tokens) is in, empty if none."""
+        tokens = request.all_token_ids
+        waiting = []
+        for span in getattr(request, _PENDING_ATTR, ()):
+            emitted = tuple(tokens[span.start : span.start + self.span_tokens])
+            if len(emitted) < self.span_tokens:
+                waiting.append(span)
+                continue
+            self._store(span.key, emitted)
+            if span.hint:
+                matched = _common_prefix(span.hint, emitted)
+                self.matched += matched
+                self.missed += matched < len(span.hint)
+        hint: tuple[int, ...] = ()
+        jump = _jump_forward_string(grammar)
+        if jump:
+            key = (request.structured_output_request.structured_output_key, jump)
+            hint = self._spans.get(key, ())
+            if hint:
+                self._spans.move_to_end(key)
+                self.hints += 1
+            waiting.append(_PendingSpan(key, len(tokens), hint))
+        setattr(request, _PENDING_ATTR, waiting)
+        return hint
+
+    def _store(self, key: tuple, span: tuple[int, ...]) -> None:
+        self._spans[key] = span
+        self._spans.move_to_end(key)
+        if len(self._spans) > self.max_spans:
+            self._spans.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+
+def grammar_span_memory(manager: Any) -> GrammarSpanMemory:
+    """The ``StructuredOutputManager``'s :class:`GrammarSpanMemory`."""
+    memory = getattr(manager, _MEMORY_ATTR, None)
+    if memory is None:
+        memory = GrammarSpanMemory()
+        setattr(manager, _MEMORY_ATTR, memory)
+    return memory
+
+
+def _jump_forward_string(grammar: Any) -> str:
+    """The characters the grammar forces next ('' if none, or if the backend
+    cannot say: only xgrammar's matcher can)."""
+    find = getattr(getattr(grammar, "matcher", None), "find_jump_forward_string", None)
+    if find is None or grammar.is_terminated():
+        return ""
+    return find()
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
