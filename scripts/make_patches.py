@@ -106,6 +106,7 @@ ADAPTER_FILES = {
         "gpu_gdn",
         "requests",
         "draft_trees",
+        "grammar_spans",
         "structured_output",
     )
 }
@@ -159,6 +160,7 @@ TEST_FILES = {
     "tests/test_e2e_config.py": f"{TESTS}/test_config.py",
     "tests/test_tree_bitmask.py": f"{TESTS}/test_tree_bitmask.py",
     "tests/test_grammar_tree.py": f"{TESTS}/test_grammar_tree.py",
+    "tests/test_grammar_spans.py": f"{TESTS}/test_grammar_spans.py",
     "tests/test_draft_trees.py": f"{TESTS}/test_draft_trees.py",
     "tests/test_structured_outputs.py": f"{TESTS}/test_structured_outputs.py",
     "tests/_law_utils.py": f"{TESTS}/law_utils.py",
