@@ -16,7 +16,10 @@ xgr = pytest.importorskip("xgrammar")
 from test_tree_bitmask import VOCAB, compiler  # noqa: E402, F401
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
 
-from vllm_ddtree.vllm_adapter.grammar_spans import GrammarSpanMemory  # noqa: E402
+from vllm_ddtree.vllm_adapter.grammar_spans import (  # noqa: E402
+    GrammarSpanMemory,
+    jump_forward_string,
+)
 
 REGEX = r"[a-c]x{3}[a-z]{10}"  # after the first letter the grammar forces "xxx"
 PROMPT = [7, 8, 9]
@@ -37,52 +40,56 @@ class FakeRequest:
         self.all_token_ids += list(text)
 
 
+def hint(memory: GrammarSpanMemory, request: FakeRequest) -> tuple[int, ...]:
+    return memory.hint(request, jump_forward_string(request.grammar))
+
+
 def test_a_span_is_proposed_to_the_next_request_in_that_state(compiler):  # noqa: F811
     memory = GrammarSpanMemory(span_tokens=8)
     first = FakeRequest(compiler)
     first.emit(b"b")
-    assert memory.hint(first, first.grammar) == ()  # "xxx" is new
+    assert hint(memory, first) == ()  # "xxx" is new
     first.emit(b"xxxhel")
-    assert memory.hint(first, first.grammar) == () and len(memory) == 0  # 7 of 8
+    assert hint(memory, first) == () and len(memory) == 0  # 7 of 8
     first.emit(b"lo")
-    memory.hint(first, first.grammar)
+    hint(memory, first)
     assert len(memory) == 1
     # Another request in the same state ("xxx" next) gets the first one's span.
     second = FakeRequest(compiler)
     second.emit(b"c")
-    assert memory.hint(second, second.grammar) == tuple(b"xxxhello")
+    assert hint(memory, second) == tuple(b"xxxhello")
     assert memory.hints == 1 and memory.hint_prob == 0.5  # nothing scored yet
     # It emits 6 of the hint's tokens, then leaves it: 6 matched, 1 miss.
     second.emit(b"xxxhelp")
     second.emit(b"s")
-    memory.hint(second, second.grammar)
+    hint(memory, second)
     assert (memory.matched, memory.missed) == (6, 1)
     assert memory.hint_prob == pytest.approx(7 / 9)
     # Another schema, or another state, has no hint.
     other = FakeRequest(compiler, key="other")
     other.emit(b"a")
-    assert memory.hint(other, other.grammar) == ()
+    assert hint(memory, other) == ()
     third = FakeRequest(compiler)
     third.emit(b"axxx")  # past the forced run: nothing forced next
-    assert memory.hint(third, third.grammar) == ()
+    assert hint(memory, third) == ()
 
 
 def test_least_recently_used_spans_are_dropped(compiler):  # noqa: F811
     memory = GrammarSpanMemory(span_tokens=2, max_spans=1)
     request = FakeRequest(compiler)
     request.emit(b"a")
-    memory.hint(request, request.grammar)  # key "xxx"
+    hint(memory, request)  # key "xxx"
     request.emit(b"xx")
-    memory.hint(request, request.grammar)  # "xxx" stored; key "x"
+    hint(memory, request)  # "xxx" stored; key "x"
     request.emit(b"xq")
-    memory.hint(request, request.grammar)  # "x" stored, "xxx" dropped
+    hint(memory, request)  # "x" stored, "xxx" dropped
     assert len(memory) == 1
     dropped = FakeRequest(compiler)
     dropped.emit(b"b")
-    assert memory.hint(dropped, dropped.grammar) == ()
+    assert hint(memory, dropped) == ()
     kept = FakeRequest(compiler)
     kept.emit(b"cxx")
-    assert memory.hint(kept, kept.grammar) == tuple(b"xq")
+    assert hint(memory, kept) == tuple(b"xq")
 
 
 def test_a_backend_without_jump_forward_gives_no_hint(compiler):  # noqa: F811
@@ -90,4 +97,5 @@ def test_a_backend_without_jump_forward_gives_no_hint(compiler):  # noqa: F811
     request = FakeRequest(compiler)
     request.emit(b"a")
     no_matcher = SimpleNamespace(is_terminated=lambda: False)
-    assert memory.hint(request, no_matcher) == ()
+    assert jump_forward_string(no_matcher) is None
+    assert memory.hint(request, None) == ()

@@ -314,7 +314,9 @@ def test_a_repeated_state_replays_the_target_s_last_span(models, scripted_drafte
     from vllm_ddtree.vllm_adapter.grammar_spans import grammar_span_memory
 
     target, drafter = models
-    monkeypatch.setitem(CONSTRAINTS, "spans", StructuredOutputsParams(regex="[a-c]x{3}[a-z]{10}"))
+    monkeypatch.setitem(
+        CONSTRAINTS, "spans", StructuredOutputsParams(regex="[a-c]x{3}[a-z]{10}")
+    )
     request = [(prompts(1, seed=9)[0], "spans")]
     reference, _ = generate(target, request)
 
@@ -330,7 +332,9 @@ def test_a_repeated_state_replays_the_target_s_last_span(models, scripted_drafte
     accepted = []
     for _ in range(2):
         before = spec_counters(llm)
-        out = llm.generate([{"prompt_token_ids": request[0][0]}], params, use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": request[0][0]}], params, use_tqdm=False
+        )
         assert list(out[0].outputs[0].token_ids) == reference[0][0]
         accepted.append(spec_counters(llm)["accepted"] - before["accepted"])
     memory = grammar_span_memory(

@@ -304,3 +304,16 @@ def test_without_drafts_the_tree_is_the_forced_run(compiler):
     assert record.tokens == list(b"xyz") and record.parents == [-1, 0, 1, 2]
     assert record.path_probs == [1.0, 1.0, 1.0]
     assert grammar.accept_tokens("r", [ord("x")])  # the matcher did not move
+
+
+def test_without_drafts_a_free_state_builds_nothing(compiler, monkeypatch):
+    """A skipped pass where the grammar forces nothing (and the span memory has
+    no hint): an empty tree, without filling a single row."""
+    req = request(compiler, "r")  # after "ab-1": a digit, '-' or the end
+    grammar = req.structured_output_request.grammar
+    fills = []
+    monkeypatch.setattr(grammar, "fill_bitmask", lambda *a: fills.append(a))
+    candidates = GrammarCandidates([], [], 12, 0.1, [1.0] * 13)
+    record = grammar_draft_tree(manager(16), req, candidates)
+    assert record.tokens == [] and record.parents == [-1] and fills == []
+    assert record.grammar_values == ([], [])

@@ -233,7 +233,9 @@ def build_grammar_tree(
         tree.rows.append(grammar_at(path))
         paths.append(path)
         tree.depths.append(depth)
-        on_hint.append(on_hint[parent] and depth <= len(hint) and hint[depth - 1] == token)
+        on_hint.append(
+            on_hint[parent] and depth <= len(hint) and hint[depth - 1] == token
+        )
         order_in_depth.append(popped_per_depth.get(depth, 0))
         popped_per_depth[depth] = order_in_depth[-1] + 1
         push_children(node)

@@ -29,11 +29,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GrammarSpanMemory", "grammar_span_memory"]
+__all__ = ["GrammarSpanMemory", "grammar_span_memory", "jump_forward_string"]
 
-# The manager's GrammarSpanMemory; a request's spans still being emitted.
+# The manager's GrammarSpanMemory; a request's spans still being emitted, and
+# its schema's key (vLLM serialises a JSON schema each time it is asked).
 _MEMORY_ATTR = "ddtree_grammar_spans"
 _PENDING_ATTR = "ddtree_pending_spans"
+_SCHEMA_ATTR = "ddtree_schema_key"
 
 
 @dataclass
@@ -67,10 +69,11 @@ class GrammarSpanMemory:
         any hint was scored)."""
         return (self.matched + 1) / (self.matched + self.missed + 2)
 
-    def hint(self, request: Any, grammar: Any) -> tuple[int, ...]:
+    def hint(self, request: Any, jump: str | None) -> tuple[int, ...]:
         """Stores the spans ``request``'s committed tokens completed and scores
-        their hints; returns the hint for the state ``grammar`` (the request's,
-        after its committed tokens) is in, empty if none."""
+        their hints; returns the hint for the request's grammar state (after
+        its committed tokens), whose jump-forward string is ``jump``
+        (:func:`jump_forward_string`), empty if none."""
         tokens = request.all_token_ids
         waiting = []
         for span in getattr(request, _PENDING_ATTR, ()):
@@ -84,9 +87,12 @@ class GrammarSpanMemory:
                 self.matched += matched
                 self.missed += matched < len(span.hint)
         hint: tuple[int, ...] = ()
-        jump = _jump_forward_string(grammar)
         if jump:
-            key = (request.structured_output_request.structured_output_key, jump)
+            schema = getattr(request, _SCHEMA_ATTR, None)
+            if schema is None:
+                schema = request.structured_output_request.structured_output_key
+                setattr(request, _SCHEMA_ATTR, schema)
+            key = (schema, jump)
             hint = self._spans.get(key, ())
             if hint:
                 self._spans.move_to_end(key)
@@ -114,13 +120,14 @@ def grammar_span_memory(manager: Any) -> GrammarSpanMemory:
     return memory
 
 
-def _jump_forward_string(grammar: Any) -> str:
-    """The characters the grammar forces next ('' if none, or if the backend
-    cannot say: only xgrammar's matcher can)."""
+def jump_forward_string(grammar: Any) -> str | None:
+    """The characters a ``StructuredOutputGrammar`` forces next ('' if none or
+    terminated; None if its backend cannot say: only xgrammar's matcher can).
+    Nothing forced means no forced token either."""
     find = getattr(getattr(grammar, "matcher", None), "find_jump_forward_string", None)
-    if find is None or grammar.is_terminated():
-        return ""
-    return find()
+    if find is None:
+        return None
+    return "" if grammar.is_terminated() else find()
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

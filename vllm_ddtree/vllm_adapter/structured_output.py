@@ -44,7 +44,10 @@ from vllm_ddtree.vllm_adapter.draft_trees import (
     chain_parents,
     record_of,
 )
-from vllm_ddtree.vllm_adapter.grammar_spans import grammar_span_memory
+from vllm_ddtree.vllm_adapter.grammar_spans import (
+    grammar_span_memory,
+    jump_forward_string,
+)
 
 __all__ = [
     "GrammarCandidates",
@@ -139,7 +142,12 @@ def grammar_draft_tree(
         return None
     started = time.perf_counter()
     memory = grammar_span_memory(manager)
-    hint = memory.hint(request, grammar)
+    jump = jump_forward_string(grammar)
+    hint = memory.hint(request, jump)
+    if not candidates.log_probs and jump == "":
+        # A skipped drafter pass in a state where nothing is forced or hinted:
+        # the tree is empty, known without filling a row.
+        return _empty_record(request, candidates)
     cursor = GrammarCursor(grammar, manager.backend.vocab_size, request.request_id)
     tree = build_grammar_tree(
         _per_depth(candidates.log_probs, np.float64),
@@ -169,6 +177,18 @@ def grammar_draft_tree(
     stats.grammar_nodes += n
     stats.build_seconds += time.perf_counter() - started
     return record
+
+
+def _empty_record(request: Any, candidates: GrammarCandidates) -> DraftTreeRecord:
+    return DraftTreeRecord(
+        tokens=[],
+        parents=[-1],
+        path_probs=[],
+        grammar_shaped=True,
+        grammar_rows=None,
+        num_tokens=request.num_tokens,
+        grammar_values=None if candidates.depth_factors is None else ([], []),
+    )
 
 
 def _per_depth(values: list[list], dtype) -> np.ndarray:
