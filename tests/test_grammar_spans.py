@@ -58,13 +58,15 @@ def test_a_span_is_proposed_to_the_next_request_in_that_state(compiler):  # noqa
     second = FakeRequest(compiler)
     second.emit(b"c")
     assert hint(memory, second) == tuple(b"xxxhello")
-    assert memory.hints == 1 and memory.hint_prob == 0.5  # nothing scored yet
+    assert memory.hints == 1 and memory.hint_probs == [0.5] * 8  # nothing scored
     # It emits 6 of the hint's tokens, then leaves it: 6 matched, 1 miss.
     second.emit(b"xxxhelp")
     second.emit(b"s")
     hint(memory, second)
     assert (memory.matched, memory.missed) == (6, 1)
-    assert memory.hint_prob == pytest.approx(7 / 9)
+    # Per position: the first 6 reached and matched, the 7th reached and
+    # missed, the 8th never reached.
+    assert memory.hint_probs == pytest.approx([2 / 3] * 6 + [1 / 3, 1 / 2])
     # Another schema, or another state, has no hint.
     other = FakeRequest(compiler, key="other")
     other.emit(b"a")

@@ -156,24 +156,25 @@ def test_a_terminated_path_has_no_children(compiler):  # noqa: F811
 
 def test_a_hint_takes_its_probability_and_reaches_past_the_drafter(compiler):  # noqa: F811
     """A hint of 6 tokens, the drafter 2 positions deep: the hint's path is in
-    the tree with hint_prob per token (past depth 2), the drafter's allowed
-    candidates share 1 - hint_prob at the depths the hint passes through."""
+    the tree with each token's hint_probs entry (past depth 2), the drafter's
+    allowed candidates share the rest at the depths the hint passes through."""
     grammar = grammar_for(compiler, r"[a-c]{8}")
     log_probs = np.log(np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]))
     token_ids = np.array([[ord("a"), ord("b"), ord("9")], [ord("c"), ord("b"), ord("a")]])
     hint = list(b"bcabca")
+    probs = [0.9, 0.8, 0.9, 0.7, 0.9, 0.6]
     tree = build_grammar_tree(log_probs, token_ids, 10, ord("x"),
                               GrammarCursor(grammar, VOCAB), max_depth=10,
-                              hint=hint, hint_prob=0.9)
+                              hint=hint, hint_probs=probs)
     paths = tree_paths(tree)
     score = dict(zip(paths, tree.log_scores, strict=True))
     for k in range(1, len(hint) + 1):
-        assert math.isclose(score[tuple(hint[:k])], k * math.log(0.9)), k
+        assert math.isclose(score[tuple(hint[:k])], math.log(math.prod(probs[:k]))), k
     # Root: 'a' is the only other allowed candidate ('9' is not, 'b' is the
     # hint's): all of the remaining 0.1.
     assert math.isclose(score[(ord("a"),)], math.log(0.1))
-    # Depth 2 under the hint's 'b': 'b' and 'a' share 0.1 as 0.3 : 0.1.
-    assert math.isclose(score[(ord("b"), ord("b"))], math.log(0.9 * 0.1 * 0.75))
+    # Depth 2 under the hint's 'b': 'b' and 'a' share 0.2 as 0.3 : 0.1.
+    assert math.isclose(score[(ord("b"), ord("b"))], math.log(0.9 * 0.2 * 0.75))
     assert tree.num_nodes == 10
 
 
@@ -183,9 +184,10 @@ def test_a_hint_stops_where_the_grammar_rejects_it(compiler):  # noqa: F811
     token_ids = np.zeros((0, 0), dtype=np.int64)
     tree = build_grammar_tree(log_probs, token_ids, 10, ord("x"),
                               GrammarCursor(grammar, VOCAB), max_depth=10,
-                              hint=list(b"ab9c"), hint_prob=0.8)
+                              hint=list(b"ab9c"), hint_probs=[0.8] * 4)
     # No drafted position: the tree is the hint's allowed prefix alone.
     assert tree.tokens[1:] == list(b"ab") and tree.parents[1:] == [0, 1]
-    with pytest.raises(ValueError, match="hint_prob"):
-        build_grammar_tree(log_probs, token_ids, 10, ord("x"),
-                           GrammarCursor(grammar, VOCAB), hint=[1], hint_prob=1.0)
+    for bad in ([1.0], []):
+        with pytest.raises(ValueError, match="hint_probs"):
+            build_grammar_tree(log_probs, token_ids, 10, ord("x"),
+                               GrammarCursor(grammar, VOCAB), hint=[1], hint_probs=bad)

@@ -18,10 +18,11 @@ drafter's tree builder (:mod:`vllm_ddtree.tree`): (-score, depth, parent
 position in its depth, rank).
 
 A *hint* (a token path from the root, e.g. what the target emitted the last
-time its grammar was in this state: :mod:`vllm_ddtree.vllm_adapter.grammar_spans`)
-is proposed next to the drafter's candidates: while a node lies on the hint,
-its hint child takes probability ``hint_prob`` and the drafter's allowed
-candidates share the rest. Like forced runs, a hint continues past the
+time its grammar was in this state,
+:mod:`vllm_ddtree.vllm_adapter.grammar_spans`) is proposed next to the
+drafter's candidates: while a node lies on the hint, its hint child (the
+hint's i-th token) takes probability ``hint_probs[i]`` and the drafter's
+allowed candidates share the rest. Like forced runs, a hint continues past the
 drafter's depth.
 
 Lossless whatever the tree: verification masks the target with the same
@@ -140,7 +141,7 @@ def build_grammar_tree(
     grammar_at: Callable[[Sequence[int]], NodeGrammar | None],
     max_depth: int | None = None,
     hint: Sequence[int] = (),
-    hint_prob: float = 0.5,
+    hint_probs: Sequence[float] = (),
 ) -> GrammarTree:
     """The top-``budget`` grammar-guided tree of one request.
 
@@ -155,9 +156,9 @@ def build_grammar_tree(
         max_depth: the deepest node; beyond the drafter's L only tokens the
             grammar forces, and the hint's, are added (default L: none beyond
             it).
-        hint: token path from the root proposed with probability
-            ``hint_prob`` per token, as far as the grammar allows it.
-        hint_prob: the hint's per-token probability, in (0, 1).
+        hint: token path from the root, proposed as far as the grammar allows.
+        hint_probs: the probability of each hint token given the ones
+            before it, in (0, 1), one per hint token.
 
     Returns:
         The tree, in best-first order (parents before children), with each
@@ -171,10 +172,14 @@ def build_grammar_tree(
     tree = GrammarTree([int(root_token)], [-1], [0.0], [root_row], [0])
     if budget <= 0 or root_row is None:
         return tree
-    if not 0.0 < hint_prob < 1.0:
-        raise ValueError(f"hint_prob must be in (0, 1), got {hint_prob}")
     hint = [int(t) for t in hint]
-    hint_lp, rest_lp = math.log(hint_prob), math.log1p(-hint_prob)
+    if len(hint_probs) < len(hint) or not all(0 < p < 1 for p in hint_probs):
+        raise ValueError(
+            "need one hint_probs entry in (0, 1) per hint token, got "
+            f"{list(hint_probs)} for {len(hint)} tokens"
+        )
+    hint_lp = [math.log(p) for p in hint_probs]
+    rest_lp = [math.log1p(-p) for p in hint_probs]
     paths: list[tuple[int, ...]] = [()]
     on_hint = [bool(hint)]  # the node's path is a prefix of the hint
     order_in_depth = [0]  # position of a node among popped nodes of its depth
@@ -194,8 +199,8 @@ def build_grammar_tree(
         if row.forced is not None:
             children = [(row.forced, 0.0)]
         else:
-            children = [] if hinted is None else [(hinted, hint_lp)]
-            shared = 0.0 if hinted is None else rest_lp
+            children = [] if hinted is None else [(hinted, hint_lp[depth])]
+            shared = 0.0 if hinted is None else rest_lp[depth]
             if depth < depth_limit:
                 cand = token_ids[depth]
                 ok = row.allows(cand)

@@ -15,8 +15,10 @@ The memory keys a state by its schema and its jump-forward string (xgrammar's
 the ``span_tokens`` tokens the target emitted from there, across requests
 (a service's tool calls share their schemas). When a structured request's
 grammar is in a state with a known key, those tokens become the tree's hint:
-proposed with the probability the memory has measured for its hints, as far
-as the grammar allows them. Like suffix decoding
+each proposed with the probability the memory has measured for a hint's
+token at that position given the ones before (the key's own tokens are
+usually right, what follows the forced characters less often), as far as the
+grammar allows them. Like suffix decoding
 (https://arxiv.org/abs/2411.04975), but keyed by grammar state rather than by
 the last tokens.
 
@@ -58,16 +60,23 @@ class GrammarSpanMemory:
         self.span_tokens = span_tokens
         self.max_spans = max_spans
         self._spans: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
-        self.hints = 0  # hints proposed
+        self.hints = 0  # hints looked up
         self.matched = 0  # hint tokens the target then emitted
         self.missed = 0  # hints the target left before their end
+        # Per hint position: hints scored that reached it, and the target's
+        # token matched there.
+        self._reached = [0] * span_tokens
+        self._matched_at = [0] * span_tokens
 
     @property
-    def hint_prob(self) -> float:
-        """The measured probability that the target emits a hint's next
-        token, given it emitted the ones before (Laplace's rule: 1/2 before
-        any hint was scored)."""
-        return (self.matched + 1) / (self.matched + self.missed + 2)
+    def hint_probs(self) -> list[float]:
+        """[span_tokens] the measured probability that the target emits a
+        hint's i-th token, given it emitted the ones before (Laplace's rule:
+        1/2 before any hint reached position i)."""
+        return [
+            (matched + 1) / (reached + 2)
+            for matched, reached in zip(self._matched_at, self._reached, strict=True)
+        ]
 
     def hint(self, request: Any, jump: str | None) -> tuple[int, ...]:
         """Stores the spans ``request``'s committed tokens completed and scores
@@ -83,9 +92,7 @@ class GrammarSpanMemory:
                 continue
             self._store(span.key, emitted)
             if span.hint:
-                matched = _common_prefix(span.hint, emitted)
-                self.matched += matched
-                self.missed += matched < len(span.hint)
+                self._score(span.hint, emitted)
         hint: tuple[int, ...] = ()
         if jump:
             schema = getattr(request, _SCHEMA_ATTR, None)
@@ -100,6 +107,14 @@ class GrammarSpanMemory:
             waiting.append(_PendingSpan(key, len(tokens), hint))
         setattr(request, _PENDING_ATTR, waiting)
         return hint
+
+    def _score(self, hint: tuple[int, ...], emitted: tuple[int, ...]) -> None:
+        matched = _common_prefix(hint, emitted)
+        self.matched += matched
+        self.missed += matched < len(hint)
+        for i in range(min(matched + 1, len(hint))):
+            self._reached[i] += 1
+            self._matched_at[i] += i < matched
 
     def _store(self, key: tuple, span: tuple[int, ...]) -> None:
         self._spans[key] = span

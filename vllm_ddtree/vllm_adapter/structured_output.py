@@ -157,7 +157,7 @@ def grammar_draft_tree(
         cursor,
         max_depth=candidates.max_nodes,
         hint=hint,
-        hint_prob=memory.hint_prob,
+        hint_probs=memory.hint_probs,
     )
     probs = [math.exp(s) for s in tree.log_scores[1:]]
     depths = tree.depths[1:]
