@@ -163,12 +163,7 @@ def generate(target, requests, speculative_config=None):
         )
         for o in outs
     ]
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    stats = {
-        "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
-        "draft_tokens": metrics.get("vllm:spec_decode_num_draft_tokens", 0),
-        "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-    }
+    stats = spec_counters(llm)
     if speculative_config is not None:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
@@ -176,6 +171,27 @@ def generate(target, requests, speculative_config=None):
         stats["chain_fallbacks"] = runner.ddtree.num_chain_fallbacks
     del llm
     return results, stats
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """The engine's running spec-decode counters."""
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return {
+        "drafts": metrics.get("vllm:spec_decode_num_drafts", 0),
+        "draft_tokens": metrics.get("vllm:spec_decode_num_draft_tokens", 0),
+        "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
+    }
+
+
+def only_token(token: int):
+    """A drafter script whose every position proposes ``token`` alone."""
+
+    def script(proposer, runner, req_ids, committed, logits):
+        draft = torch.zeros_like(logits)
+        draft[:, token] = 8.0
+        return draft
+
+    return script
 
 
 @pytest.fixture(scope="module")
@@ -288,13 +304,7 @@ def test_forced_runs_are_accepted_in_full(models, scripted_drafter, monkeypatch)
     requests = [(p, "stars") for p in prompts(3, seed=5)]
     monkeypatch.setitem(CONSTRAINTS, "stars", StructuredOutputsParams(choice=stars))
     reference, _ = generate(target, requests)
-
-    def junk(proposer, runner, req_ids, committed, logits):
-        script = torch.zeros_like(logits)
-        script[:, ord("z")] = 8.0
-        return script
-
-    scripted_drafter(junk)
+    scripted_drafter(only_token(ord("z")))
     for request, ref in zip(requests, reference, strict=True):
         out, stats = generate(target, [request], ddtree(drafter, 16))
         assert out[0][0] == ref[0] and out[0][1] in stars, (out, ref)
@@ -319,13 +329,7 @@ def test_a_repeated_state_replays_the_target_s_last_span(models, scripted_drafte
     )
     request = [(prompts(1, seed=9)[0], "spans")]
     reference, _ = generate(target, request)
-
-    def junk(proposer, runner, req_ids, committed, logits):
-        script = torch.zeros_like(logits)
-        script[:, ord("{")] = 8.0
-        return script
-
-    scripted_drafter(junk)
+    scripted_drafter(only_token(ord("{")))
     llm = make_llm(target, ddtree(drafter, 16))
     params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                  structured_outputs=CONSTRAINTS["spans"])
@@ -343,11 +347,6 @@ def test_a_repeated_state_replays_the_target_s_last_span(models, scripted_drafte
     del llm
     assert accepted[1] == accepted[0] + memory.span_tokens - 3, accepted
     assert memory.hints == 1 and (memory.matched, memory.missed) == (8, 0)
-
-
-def spec_counters(llm) -> dict[str, float]:
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    return {"accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0)}
 
 
 def test_other_grammar_backends_are_refused_per_request(models):
