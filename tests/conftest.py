@@ -6,6 +6,8 @@ must be set before anything (vLLM included) imports triton.
 """
 
 import os
+import sys
+import weakref
 
 import torch
 
@@ -45,6 +47,7 @@ def patch_vllm_for_tests() -> None:
     type(current_platform).register_triton_kernel_overrides = classmethod(
         lambda cls: None
     )
+    _track_engines()
     _VLLM_PATCHED = True
 
 
@@ -52,6 +55,70 @@ def patch_vllm_for_tests() -> None:
 def vllm_patched():
     """Session fixture form of :func:`patch_vllm_for_tests`."""
     patch_vllm_for_tests()
+
+
+# --------------------------------------------------------------------------- #
+# Engines never outlive their test or module
+# --------------------------------------------------------------------------- #
+#
+# vLLM's in-process engine tears down the process's distributed state (its
+# model-parallel groups) when it is finalized. An engine alive when a test
+# fails is held by the failure's traceback (pytest keeps it in
+# ``sys.last_traceback``) and finalized whenever that is dropped: in the middle
+# of a later engine's life, which then fails ("tensor model parallel group is
+# not initialized"). So every engine made during a failing test, and every
+# engine still alive when its module ends, is shut down there.
+
+_ENGINES: list[weakref.ref] = []  # every vllm.LLM made in this process
+
+
+def _track_engines() -> None:
+    """Records every ``vllm.LLM`` made from now on (idempotent)."""
+    from vllm import LLM
+
+    if getattr(LLM.__init__, "_tracked", False):
+        return
+    init = LLM.__init__
+
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _ENGINES.append(weakref.ref(self))
+
+    tracked_init._tracked = True
+    LLM.__init__ = tracked_init
+
+
+def _shut_down_engines(since: int) -> None:
+    """Shuts down the engines made since ``_ENGINES[since]`` that are alive."""
+    for ref in _ENGINES[since:]:
+        llm = ref()
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - never hide the test's own failure
+                pass
+    del _ENGINES[since:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if "vllm" in sys.modules:
+        _track_engines()
+    since = len(_ENGINES)
+    outcome = yield
+    if outcome.excinfo is not None:
+        _shut_down_engines(since)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_end_with_their_module():
+    """Shuts down the module's engines still alive when it ends (after its own
+    fixtures' teardown: autouse fixtures are set up first)."""
+    if "vllm" in sys.modules:
+        _track_engines()
+    since = len(_ENGINES)
+    yield
+    _shut_down_engines(since)
 
 
 # --------------------------------------------------------------------------- #
@@ -65,43 +132,46 @@ def scripted_drafter(monkeypatch):
     ``script(proposer, runner, req_ids, committed, logits)`` ([R * L, V], where
     ``committed[b]`` is request b's committed length: its bonus token sits at
     that index of prompt + output). The tree is built from them as usual."""
+    return lambda script: install_scripted_drafter(monkeypatch, script)
+
+
+def install_scripted_drafter(monkeypatch, script) -> None:
+    """:func:`scripted_drafter`'s install, with ``monkeypatch`` (a
+    ``pytest.MonkeyPatch``) to undo it; scripts outside pytest call it too."""
     from vllm_ddtree.vllm_adapter import runner as runner_module
     from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
 
-    def install(script) -> None:
-        orig_propose = DDTreeProposer.propose
+    orig_propose = DDTreeProposer.propose
 
-        def scripted_propose(self, num_speculative_tokens, **kw):
-            cad = kw["common_attn_metadata"]
-            rejected = kw.get("num_rejected_tokens_gpu")
-            committed = cad.seq_lens[: cad.num_reqs].clone()
-            if rejected is not None:
-                committed -= rejected[: cad.num_reqs]
-            runner = self.scripted_runner
-            req_ids = runner.input_batch.req_ids[: cad.num_reqs]
+    def scripted_propose(self, num_speculative_tokens, **kw):
+        cad = kw["common_attn_metadata"]
+        rejected = kw.get("num_rejected_tokens_gpu")
+        committed = cad.seq_lens[: cad.num_reqs].clone()
+        if rejected is not None:
+            committed -= rejected[: cad.num_reqs]
+        runner = self.scripted_runner
+        req_ids = runner.input_batch.req_ids[: cad.num_reqs]
 
-            def scripted(hidden_states, sampling_metadata):
-                logits = self.model.compute_logits(hidden_states)
-                draft = script(self, runner, req_ids, committed, logits)
-                self._draft_logits = draft.to(logits)
-                return self._draft_logits.argmax(dim=-1), None
+        def scripted(hidden_states, sampling_metadata):
+            logits = self.model.compute_logits(hidden_states)
+            draft = script(self, runner, req_ids, committed, logits)
+            self._draft_logits = draft.to(logits)
+            return self._draft_logits.argmax(dim=-1), None
 
-            self._sample_draft_tokens = scripted
-            try:
-                return orig_propose(self, num_speculative_tokens, **kw)
-            finally:
-                del self._sample_draft_tokens
+        self._sample_draft_tokens = scripted
+        try:
+            return orig_propose(self, num_speculative_tokens, **kw)
+        finally:
+            del self._sample_draft_tokens
 
-        monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
-        orig_init = runner_module.DDTreeVerifier.__init__
+    monkeypatch.setattr(DDTreeProposer, "propose", scripted_propose)
+    orig_init = runner_module.DDTreeVerifier.__init__
 
-        def init_and_remember(self, runner):  # scripts read the runner's requests
-            orig_init(self, runner)
-            runner.drafter.scripted_runner = runner
+    def init_and_remember(self, runner):  # scripts read the runner's requests
+        orig_init(self, runner)
+        runner.drafter.scripted_runner = runner
 
-        monkeypatch.setattr(runner_module.DDTreeVerifier, "__init__", init_and_remember)
-
-    return install
+    monkeypatch.setattr(runner_module.DDTreeVerifier, "__init__", init_and_remember)
 
 
 @pytest.fixture
@@ -118,7 +188,9 @@ def _truth_at_rank_1(full: dict[tuple, list[int]]):
         vocab = logits.shape[-1]
         out = torch.zeros(len(req_ids), proposer.draft_len, vocab)
         for b, req_id in enumerate(req_ids):
-            seq = full[tuple(runner.requests[req_id].prompt_token_ids)]
+            # A prompt the script does not know (a second turn after a first
+            # that diverged) gets no truth: the test fails on its output.
+            seq = full.get(tuple(runner.requests[req_id].prompt_token_ids), [])
             start = int(committed[b]) + 1  # the bonus sits at index committed
             for j in range(proposer.draft_len):
                 if start + j < len(seq):

@@ -3,11 +3,15 @@
 CPU kernels: every tree row equals a decode of its root path, bit for bit.
 
 A GDN layer stand-in carries what vLLM's CPU GDN code reads (conv weight and
-bias, gate parameters, the qkv split); the caches have vLLM's spec layout (a
-conv slot ``W - 1 + num_spec`` wide, ``1 + num_spec`` state slots per request).
-The oracle decodes each node's root path token by token with vLLM's own CPU
-decode kernels (``causal_conv1d_update_cpu``, ``fused_sigmoid_gating_delta_rule_
-update_cpu``) from a copy of the committed caches.
+bias, packed at load as vLLM packs it on this CPU, gate parameters, the qkv
+split); the caches have vLLM's spec layout (a conv slot ``W - 1 + num_spec``
+wide in vLLM's conv-state layout, ``1 + num_spec`` state slots per request, the
+state dtype vLLM's engine keeps on this CPU). The oracle is a non-speculative
+engine: vLLM's own ``_cpu_gdn_attention_nonspec`` decodes each node's root path
+token by token on a copy of the committed caches, ``W - 1`` conv columns wide.
+It picks its conv by the CPU (the C++ kernel on AVX-512-BF16, the vectorised
+torch one elsewhere), so a tree path taking the other conv fails here on the
+CPUs where they round differently.
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm import _custom_ops as ops  # noqa: E402
+import vllm._custom_ops  # noqa: E402, F401  (loads vLLM's CPU kernels)
 
 if not hasattr(torch.ops._C, "fused_sigmoid_gating_delta_rule_update_cpu"):
     pytest.skip("vLLM's CPU GDN kernels are not built here", allow_module_level=True)
 
-from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (  # noqa: E402
-    causal_conv1d_update_cpu,
+from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: E402
+    is_conv_state_dim_first,
+)
+from vllm.model_executor.layers.mamba.ops.cpu import (  # noqa: E402
+    gdn_attention as cpu_gdn,
+)
+from vllm.model_executor.layers.utils import (  # noqa: E402
+    dispatch_cpu_unquantized_gemm,
 )
 
 from vllm_ddtree.tree import tree_from_parents  # noqa: E402
@@ -33,6 +43,11 @@ from vllm_ddtree.vllm_adapter import attn_context, gdn_state  # noqa: E402
 
 H, HV, K, W, NUM_SPEC = 1, 2, 128, 4, 7
 D = 2 * H * K + HV * K
+# vLLM's CPU engine keeps the recurrent state in float32 where its accelerated
+# GDN runs (AVX-512-BF16), in the model's bf16 elsewhere.
+STATE_DTYPE = (
+    torch.float32 if torch.cpu._is_avx512_bf16_supported() else torch.bfloat16
+)
 
 
 class Layer:
@@ -40,10 +55,15 @@ class Layer:
 
     def __init__(self, seed=0):
         g = torch.Generator().manual_seed(seed)
-        self.conv1d = SimpleNamespace(
-            weight=(torch.randn(D, 1, W, generator=g) * 0.5).bfloat16(),
-            bias=(torch.randn(D, generator=g) * 0.1).bfloat16(),
+        self.conv1d = torch.nn.Module()
+        self.conv1d.weight = torch.nn.Parameter(
+            (torch.randn(D, 1, W, generator=g) * 0.5).bfloat16(), requires_grad=False
         )
+        self.conv1d.bias = torch.nn.Parameter(
+            (torch.randn(D, generator=g) * 0.1).bfloat16(), requires_grad=False
+        )
+        # As vLLM loads it: packed for its C++ conv where that conv runs.
+        dispatch_cpu_unquantized_gemm(self.conv1d, remove_weight=False)
         self.activation = "silu"
         self.A_log = (torch.randn(HV, generator=g) * 0.5).bfloat16()
         self.dt_bias = (torch.randn(HV, generator=g) * 0.5).bfloat16()
@@ -58,30 +78,35 @@ class Layer:
         )
 
 
+def conv_cache(slots, width, g) -> torch.Tensor:
+    """A conv cache in vLLM's layout, as the ``[slots, D, width]`` view its GDN
+    code reads."""
+    if is_conv_state_dim_first():
+        return torch.randn(slots, D, width, generator=g).bfloat16()
+    return torch.randn(slots, width, D, generator=g).bfloat16().transpose(1, 2)
+
+
 def decode(layer, conv, ssm, slot, x, a, b):
-    """vLLM's non-speculative decode of one token of the request in ``slot``."""
-    y = causal_conv1d_update_cpu(
-        x=x[None],
-        conv_state=conv[:, :, : W - 1],
-        weight=layer.conv1d.weight.view(D, W),
-        bias=layer.conv1d.bias,
-        activation="silu",
-        conv_state_indices=torch.tensor([slot], dtype=torch.int32),
+    """vLLM's non-speculative engine decoding one token of the request in
+    ``slot``: its ``_cpu_gdn_attention_nonspec`` on caches ``W - 1`` wide."""
+    storage = conv if is_conv_state_dim_first() else conv.transpose(1, 2)
+    layer.kv_cache = (storage, ssm)
+    metadata = SimpleNamespace(
+        spec_sequence_masks=None,
+        num_accepted_tokens=None,
+        non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32),
+        non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        num_decodes=1,
+        num_decode_tokens=1,
+        num_prefills=0,
+        num_prefill_tokens=0,
     )
-    q, k, v = layer.rearrange_mixed_qkv(y)
-    return ops.fused_sigmoid_gating_delta_rule_update_cpu(
-        A_log=layer.A_log,
-        dt_bias=layer.dt_bias,
-        q=q,
-        k=k,
-        v=v,
-        a=a[None],
-        b=b[None],
-        initial_state_source=ssm,
-        initial_state_indices=torch.tensor([slot], dtype=torch.int32),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
-        use_qk_l2norm_in_kernel=True,
-    ).reshape(HV, K)
+    out = torch.zeros(1, HV, K, dtype=torch.bfloat16)
+    try:
+        cpu_gdn._cpu_gdn_attention_nonspec(layer, metadata, x[None], b[None], a[None], out)
+    finally:
+        del layer.kv_cache
+    return out[0]
 
 
 class Case:
@@ -94,8 +119,8 @@ class Case:
         self.a = torch.randn(t, HV, generator=g).bfloat16()
         self.b = torch.randn(t, HV, generator=g).bfloat16()
         slots = 2 + NUM_SPEC + 1
-        self.conv = torch.randn(slots, D, W - 1 + NUM_SPEC, generator=g).bfloat16()
-        self.ssm = (torch.randn(slots, HV, K, K, generator=g) * 0.3).bfloat16()
+        self.conv = conv_cache(slots, W - 1 + NUM_SPEC, g)  # [slots, D, S]
+        self.ssm = (torch.randn(slots, HV, K, K, generator=g) * 0.3).to(STATE_DTYPE)
         self.columns = torch.arange(2, 2 + NUM_SPEC + 1)  # the request's slots
 
     def metadata(self, stash=True):
@@ -119,13 +144,18 @@ class Case:
         return path[::-1]
 
     def oracle(self, layer, i):
-        conv, ssm = self.conv.clone(), self.ssm.clone()
+        """(output, conv window, state) after decoding node ``i``'s root path
+        in a non-speculative engine holding the committed caches."""
+        conv = self.conv[:, :, : W - 1].clone()
+        if not is_conv_state_dim_first():  # the same layout, W - 1 wide
+            conv = conv.transpose(1, 2).contiguous().transpose(1, 2)
+        ssm = self.ssm.clone()
         slot = int(self.columns[0])
         for node in self.path(i):
             out = decode(
                 layer, conv, ssm, slot, self.x[node], self.a[node], self.b[node]
             )
-        return out, conv[slot, :, : W - 1], ssm[slot]
+        return out, conv[slot], ssm[slot]
 
     def run(self, layer, stash=True):
         metadata, batch = self.metadata(stash)

@@ -35,7 +35,7 @@ of ``T <= B + 1`` nodes uses ``T`` of them, each ``HV * K * V`` state elements
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,8 +46,10 @@ __all__ = [
     "TREE_STATE_ATTR",
     "TreeSlots",
     "append_root_inputs",
+    "cpp_conv",
     "install",
     "is_gdn_layer",
+    "nonspec_forward",
     "stash_for_commit",
     "tree_parents",
     "tree_slots",
@@ -261,6 +263,18 @@ def append_root_inputs(x, conv_buf, slots: TreeSlots, width: int) -> None:
     )
 
 
+def cpp_conv() -> bool:
+    """Whether vLLM's non-speculative CPU GDN path runs its C++ conv kernels
+    (``_cpu_gdn_attention_nonspec``'s ``use_cpp_conv``: any AVX-512-BF16 or
+    bf16 aarch64 CPU, the CPUs where the conv weight is packed at load). Its
+    speculative paths take them on AMX only, and the two convs round
+    differently (the C++ one accumulates in VDPBF16PS), so a ddtree engine
+    follows this predicate, not theirs."""
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+    return torch.cpu._is_avx512_bf16_supported() or cpu_gdn.is_arm_bf16()
+
+
 def _decode_conv(layer, x, windows):
     """vLLM's CPU decode conv (the kernel its non-speculative decodes run) on
     one window per row; the windows are scratch."""
@@ -269,7 +283,7 @@ def _decode_conv(layer, x, windows):
     # Slot 0 is vLLM's null block (skipped by the kernels): rows use 1 .. M.
     windows = torch.cat([windows[:1], windows])
     slots = torch.arange(1, x.shape[0] + 1, dtype=torch.int32)
-    if torch.cpu._is_amx_tile_supported() or cpu_gdn.is_arm_bf16():
+    if cpp_conv():
         return cpu_gdn._causal_conv1d_update_cpu(
             x=x,
             conv_states=windows,
@@ -287,6 +301,50 @@ def _decode_conv(layer, x, windows):
         activation=layer.activation,
         conv_state_indices=slots,
     )
+
+
+def nonspec_forward(layer, attn_metadata, mixed_qkv, b, a, core_attn_out=None):
+    """The non-speculative rows (prompt chunks: a speculative engine counts
+    every decode as a speculative sequence) of a marked layer, computed by
+    vLLM's non-speculative CPU GDN path, so a ddtree engine's prompts leave the
+    states and outputs a non-speculative engine's leave.
+
+    Args:
+        attn_metadata: the layer's GDN metadata.
+        mixed_qkv, b, a: the non-speculative rows only, in
+            ``non_spec_query_start_loc`` order (vLLM's builder counts a
+            speculative batch's non-speculative rows as prefills).
+        core_attn_out: [N, HV, V] the rows' output (None: a new tensor).
+
+    Returns:
+        The output, or None (the caller runs vLLM's speculative-engine code)
+        where both paths run the same kernels.
+    """
+    if not cpp_conv():
+        return None
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+    if core_attn_out is None:
+        heads, v_dim = layer.kv_cache[1].shape[1:3]  # [slots, HV, V, K]
+        core_attn_out = mixed_qkv.new_zeros(mixed_qkv.shape[0], heads, v_dim)
+    # vLLM's C++ convs read and write the first W - 1 columns of the wide conv
+    # slots of a speculative engine, as they do a non-speculative engine's. The
+    # slots are column 0 of a speculative engine's wider block table.
+    slots = attn_metadata.non_spec_state_indices_tensor.contiguous()
+    cpu_gdn._cpu_gdn_attention_nonspec(
+        layer,
+        replace(
+            attn_metadata,
+            non_spec_state_indices_tensor=slots,
+            spec_sequence_masks=None,
+            num_accepted_tokens=None,
+        ),
+        mixed_qkv,
+        b,
+        a,
+        core_attn_out,
+    )
+    return core_attn_out
 
 
 def tree_spec_forward(layer, attn_metadata, mixed_qkv, b, a, conv_buf, ssm_state):

@@ -241,7 +241,8 @@ def pop_ddtree_config(spec: dict[str, Any]) -> DDTreeConfig | None:
 def gdn_install_hook(install):
     """P12: ``gdn_state.install`` also routes vLLM's GDN code to the tree path
     for the layers it marks (in the series, an explicit branch in vLLM's CPU
-    ``_spec_forward`` and in the CUDA ``_forward_core``)."""
+    ``_spec_forward``, ``_spec_aware_nonspec`` and ``_spec_aware_nonspec_subset``
+    and in the CUDA ``_forward_core``)."""
 
     def hooked(model) -> int:
         count = install(model)
@@ -294,6 +295,26 @@ def _route_gdn_layers() -> None:
             )
         return stock_spec(layer, attn_metadata, mixed_qkv, b, a, conv_buf, ssm, *args)
 
-    _spec_forward._ddtree = True
-    gdn_attention._spec_forward = _spec_forward
+    stock_nonspec = gdn_attention._spec_aware_nonspec
+
+    def _spec_aware_nonspec(layer, attn_metadata, mixed_qkv, b, a, out, *args):
+        if getattr(layer, marked, False) and (
+            gdn_state.nonspec_forward(layer, attn_metadata, mixed_qkv, b, a, out)
+            is not None
+        ):
+            return None
+        return stock_nonspec(layer, attn_metadata, mixed_qkv, b, a, out, *args)
+
+    stock_subset = gdn_attention._spec_aware_nonspec_subset
+
+    def _spec_aware_nonspec_subset(layer, attn_metadata, mixed_qkv, b, a, *args):
+        if getattr(layer, marked, False):
+            out = gdn_state.nonspec_forward(layer, attn_metadata, mixed_qkv, b, a)
+            if out is not None:
+                return out
+        return stock_subset(layer, attn_metadata, mixed_qkv, b, a, *args)
+
+    for wrapper in (_spec_forward, _spec_aware_nonspec, _spec_aware_nonspec_subset):
+        wrapper._ddtree = True
+        setattr(gdn_attention, wrapper.__name__, wrapper)
 
