@@ -474,8 +474,9 @@ STRUCTURED_EDITS = [
 
 
 # Hybrid targets: vLLM's GDN layers run the spec sequences of the layers a
-# ddtree target marks (``gdn_state.install``) as draft trees (the plugin's P12
-# wraps the same two functions).
+# ddtree target marks (``gdn_state.install``) as draft trees, and their prompt
+# rows as the non-speculative path does (the plugin's P12 wraps the same
+# functions).
 GDN_EDITS = [
     (
         "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py",
@@ -496,6 +497,36 @@ GDN_EDITS = [
         "            conv_buf,\n"
         "            ssm_state,\n"
         "        )\n",
+    ),
+    (
+        "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py",
+        '    """Non-spec prefill/decode with a wide conv buffer."""\n',
+        '    """Non-spec prefill/decode with a wide conv buffer."""\n'
+        '    if getattr(layer, "ddtree_tree_state", False):\n'
+        "        # DDTree: prompt rows as the non-speculative path computes them.\n"
+        "        from vllm.v1.spec_decode.ddtree.gdn_state import nonspec_forward\n"
+        "\n"
+        "        if (\n"
+        "            nonspec_forward(\n"
+        "                layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out\n"
+        "            )\n"
+        "            is not None\n"
+        "        ):\n"
+        "            return\n",
+    ),
+    (
+        "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py",
+        "    Returns outputs ordered like ``non_spec_token_indx``.\n"
+        '    """\n',
+        "    Returns outputs ordered like ``non_spec_token_indx``.\n"
+        '    """\n'
+        '    if getattr(layer, "ddtree_tree_state", False):\n'
+        "        # DDTree: prompt rows as the non-speculative path computes them.\n"
+        "        from vllm.v1.spec_decode.ddtree.gdn_state import nonspec_forward\n"
+        "\n"
+        "        out = nonspec_forward(layer, attn_metadata_i, mixed_qkv, b, a)\n"
+        "        if out is not None:\n"
+        "            return out\n",
     ),
     (
         "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",

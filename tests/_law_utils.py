@@ -64,6 +64,14 @@ def sample_engine(target, prompt, params, n, spec=None, seed=0, **engine_kw):
     return [list(o.outputs[0].token_ids) for o in outs], stats
 
 
+def _emitted_logprobs(completion) -> list[float]:
+    """The logprob of each emitted token ([] without logprobs)."""
+    if completion.logprobs is None:
+        return []
+    steps = zip(completion.token_ids, completion.logprobs, strict=True)
+    return [step[token].logprob for token, step in steps]
+
+
 def generate_turns(llm, prompt_ids, params, turns=1, logprobs=None):
     """Outputs (token ids) of ``prompt_ids`` on ``llm`` and, with ``turns=2``,
     of a second turn on the same engine: each prompt + its first answer + 5 more
@@ -76,16 +84,10 @@ def generate_turns(llm, prompt_ids, params, turns=1, logprobs=None):
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
         )
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
-        scores.append(
-            [
-                [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
-                for o in outs
-            ]
-        )  # fmt: skip
+        scores.append([_emitted_logprobs(o.outputs[0]) for o in outs])
         prompt_ids = [
             p + t + [1, 2, 3, 4, 5] for p, t in zip(prompt_ids, tokens[-1], strict=True)
         ]
     if logprobs is not None:
         logprobs.extend(scores[0] if turns == 1 else scores)
     return tokens[0] if turns == 1 else tokens
-

@@ -62,7 +62,9 @@ def prefill_metadata(sc: Scenario, batch=None):
             max_len_extend=int(extend.max()),
         ),
     )
-    return metadata if batch is None else attn_context.metadata_with_tree(metadata, batch)
+    return (
+        metadata if batch is None else attn_context.metadata_with_tree(metadata, batch)
+    )
 
 
 def forward(sc: Scenario, impl, metadata) -> torch.Tensor:

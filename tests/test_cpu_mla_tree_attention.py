@@ -22,11 +22,10 @@ pytest.importorskip("vllm")
 
 import _mla_utils  # noqa: E402
 from _mla_utils import HEADS, MARKER, V_DIM, Scenario  # noqa: E402
-
-from vllm_ddtree.vllm_adapter import attn_context  # noqa: E402
 from vllm.v1.attention.backends.mla import amx_mla, cpu_mla  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
+from vllm_ddtree.vllm_adapter import attn_context  # noqa: E402
 from vllm_ddtree.vllm_adapter.cpu_mla_attention import (  # noqa: E402
     AMX_BACKEND_PATH,
     BACKEND_PATH,

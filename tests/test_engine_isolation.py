@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-SESSION = '''
+SESSION = """
 import gc
 
 import pytest
@@ -61,7 +61,7 @@ def test_the_next_engines_serve(pair):
         assert len(out[0].outputs[0].token_ids) == 4
         del llm
         gc.collect()
-'''
+"""
 
 
 def test_a_failing_engine_does_not_break_the_next_test(tmp_path):

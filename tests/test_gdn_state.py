@@ -45,9 +45,7 @@ H, HV, K, W, NUM_SPEC = 1, 2, 128, 4, 7
 D = 2 * H * K + HV * K
 # vLLM's CPU engine keeps the recurrent state in float32 where its accelerated
 # GDN runs (AVX-512-BF16), in the model's bf16 elsewhere.
-STATE_DTYPE = (
-    torch.float32 if torch.cpu._is_avx512_bf16_supported() else torch.bfloat16
-)
+STATE_DTYPE = torch.float32 if torch.cpu._is_avx512_bf16_supported() else torch.bfloat16
 
 
 class Layer:
@@ -103,7 +101,9 @@ def decode(layer, conv, ssm, slot, x, a, b):
     )
     out = torch.zeros(1, HV, K, dtype=torch.bfloat16)
     try:
-        cpu_gdn._cpu_gdn_attention_nonspec(layer, metadata, x[None], b[None], a[None], out)
+        cpu_gdn._cpu_gdn_attention_nonspec(
+            layer, metadata, x[None], b[None], a[None], out
+        )
     finally:
         del layer.kv_cache
     return out[0]
@@ -199,7 +199,9 @@ def test_a_request_without_drafts_is_one_decode():
     metadata, _ = case.metadata()
     metadata.tree = None
     conv, ssm = case.conv.clone(), case.ssm.clone()
-    out = gdn_state.tree_spec_forward(layer, metadata, case.x, case.b, case.a, conv, ssm)
+    out = gdn_state.tree_spec_forward(
+        layer, metadata, case.x, case.b, case.a, conv, ssm
+    )
     want, want_conv, want_state = case.oracle(layer, 0)
     slot = int(case.columns[0])
     assert torch.equal(out[0], want)

@@ -18,10 +18,14 @@ in column 0's slot.
 * Verify forward: tree row ``i`` of a request takes its conv window along its
   root path (``ops.tree_gdn.tree_conv_windows``) and its recurrence from its
   parent's state; its post-state goes to the request's state column ``i`` (the
-  root's to column 0, which it has just read). On the CPU both are vLLM's own
-  decode kernels (so a row computes bit for bit what decoding its path
-  computes). The root is always committed, so its input is appended to the
+  root's to column 0, which it has just read). On the CPU both are the decode
+  kernels of vLLM's non-speculative path (so a row computes bit for bit what
+  a non-speculative engine decoding its path computes: on AVX-512-BF16 CPUs
+  without AMX, vLLM's speculative paths take another conv, which rounds
+  differently). The root is always committed, so its input is appended to the
   conv state at once. A request without drafts is a one-row tree.
+* Prompt chunks (CPU, :func:`nonspec_forward`): vLLM's non-speculative path
+  computes them, for the same reason.
 * Commit (:meth:`RecurrentStateStash.commit`): for an accepted path of ``n``
   nodes, column 0's state becomes that of its last node and the conv state gets
   the path's inputs after the root. Rejected branches leave nothing behind

@@ -46,8 +46,10 @@ decorate in-tree in the upstream patch series (``patches/``):
   patch series' first commit makes the same change in-tree).
 * P12 ``gdn_state.install`` (when a ddtree target has Gated DeltaNet layers):
   vLLM's CPU ``_spec_forward`` and CUDA ``QwenGatedDeltaNetAttention.
-  _forward_core`` run the tree path for the layers it marks (in the series, an
-  explicit branch in each; :func:`plugin_hooks.gdn_install_hook`).
+  _forward_core`` run the tree path for the layers it marks, and its CPU
+  ``_spec_aware_nonspec`` / ``_spec_aware_nonspec_subset`` their prompt rows as
+  its non-speculative path does (in the series, an explicit branch in each;
+  :func:`plugin_hooks.gdn_install_hook`).
 Only P7 and P11 change vLLM's behaviour when ddtree is off (they fix in-tree
 ``"dflash"`` on CPU); P1-P6 and P8-P10, P12 are no-ops unless an engine asks
 for ddtree. The

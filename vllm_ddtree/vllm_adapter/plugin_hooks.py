@@ -100,7 +100,10 @@ def speculative_config_hook(create_speculative_config):
                 bool(self.enable_prefix_caching),
             )
             backend = gpu_engine_settings(
-                [self.attention_backend, getattr(self.attention_config, "backend", None)]
+                [
+                    self.attention_backend,
+                    getattr(self.attention_config, "backend", None),
+                ]
             )
             if backend is not None:
                 self.attention_backend = backend
@@ -317,4 +320,3 @@ def _route_gdn_layers() -> None:
     for wrapper in (_spec_forward, _spec_aware_nonspec, _spec_aware_nonspec_subset):
         wrapper._ddtree = True
         setattr(gdn_attention, wrapper.__name__, wrapper)
-
