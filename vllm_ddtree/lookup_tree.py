@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Draft trees from two sources: the drafter's distributions and a lookup tree.
+
+A DFlash drafter gives one distribution ``q_d`` per depth ``d``; a lookup source
+(SuffixDecoding's suffix tree, https://arxiv.org/abs/2411.04975; a prompt n-gram
+match; the grammar span memory's hint) proposes token paths from the root, each
+node with a probability given its parent's path (calibrated against what the
+target accepted). One tree holds both, under one node budget ``B``: the top-B
+prefixes under the score
+
+    s(u) = sum_i log p(u_i | u_<i)
+
+where, at a node ``v`` of depth ``d`` whose path lies on the lookup tree, with
+lookup children ``c`` of probabilities ``a_c`` (``A = sum_c a_c <= 1``), the
+children are the mixture
+
+    p(t | v) = a_t + (1 - A) q_{d+1}(t)       (a_t = 0 for non-lookup t)
+
+(the drafter's candidates share what the lookup leaves; a token both propose is
+one node, with both shares), and off the lookup tree ``p(t | v) = q_{d+1}(t)``:
+the drafter's tree of DDTree (https://arxiv.org/abs/2604.12989), exactly.
+Lookup branches may run past the drafter's depth ``L`` (to ``max_depth``), where
+only lookup children exist. Every ``p <= 1``, so scores never increase from a
+node to its children, the top-B set is prefix-closed (DDTree, Prop. 2) and the
+best-first heap of the DDTree reference builds it. Ties break as in
+:mod:`vllm_ddtree.tree`: (-score, depth, parent position in its depth, rank);
+lookup children rank first (by probability), then the drafter's by rank.
+
+The tree only decides what is proposed: verification (greedy, and both sampling
+rules of :mod:`vllm_ddtree.verify`) reads the target alone, so any tree is
+lossless.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "FROM_DRAFTER",
+    "FROM_LOOKUP",
+    "LookupDraft",
+    "UnionTree",
+    "build_union_tree",
+]
+
+FROM_DRAFTER = 1  # a node the drafter's candidates proposed
+FROM_LOOKUP = 2  # a node the lookup tree proposed (both: 3)
+
+
+@dataclass
+class LookupDraft:
+    """A lookup source's tree for one request, rooted at the last committed
+    token (not listed).
+
+    ``parents[i]`` indexes ``tokens`` (-1: a child of the root) and precedes
+    ``i``; ``probs[i]`` is the probability of ``tokens[i]`` given its parent's
+    path, in (0, 1], and siblings' probabilities sum to at most 1."""
+
+    tokens: Sequence[int]
+    parents: Sequence[int]
+    probs: Sequence[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n or len(self.probs) != n:
+            raise ValueError(
+                "a lookup draft needs one parent and one probability per token, "
+                f"got {n} tokens, {len(self.parents)} parents, "
+                f"{len(self.probs)} probabilities"
+            )
+        mass: dict[int, float] = {}
+        seen: set[tuple[int, int]] = set()
+        for i, (parent, prob) in enumerate(zip(self.parents, self.probs, strict=True)):
+            if not -1 <= parent < i:
+                raise ValueError(
+                    f"lookup node {i} has parent {parent}, need -1 <= parent < {i}"
+                )
+            if not 0.0 < prob <= 1.0:
+                raise ValueError(
+                    f"lookup node {i} has probability {prob}, need 0 < p <= 1"
+                )
+            if (parent, int(self.tokens[i])) in seen:
+                raise ValueError(
+                    f"lookup node {i} repeats token {self.tokens[i]} under parent "
+                    f"{parent}"
+                )
+            seen.add((parent, int(self.tokens[i])))
+            mass[parent] = mass.get(parent, 0.0) + prob
+        over = {p: m for p, m in mass.items() if m > 1.0 + 1e-6}
+        if over:
+            raise ValueError(
+                f"lookup children's probabilities sum past 1 under parents {over}"
+            )
+
+    def children(self) -> dict[int, list[int]]:
+        """Lookup children of each lookup node (-1: the root), most probable
+        first (index order on ties)."""
+        kids: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents):
+            kids.setdefault(int(parent), []).append(i)
+        for nodes in kids.values():
+            nodes.sort(key=lambda i: (-self.probs[i], i))
+        return kids
+
+
+@dataclass
+class UnionTree:
+    """One request's tree in best-first order (node 0 the root, parents before
+    children)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    log_scores: list[float]
+    # FROM_DRAFTER | FROM_LOOKUP per node (root 0).
+    sources: list[int]
+    # The lookup node each node is (-1: none; the root: -1 too).
+    lookup_nodes: list[int] = field(default_factory=list)
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes (root excluded)."""
+        return len(self.tokens) - 1
+
+
+def build_union_tree(
+    log_probs: np.ndarray,
+    token_ids: np.ndarray,
+    budget: int,
+    root_token: int,
+    lookup: LookupDraft | None = None,
+    max_depth: int | None = None,
+    lookup_drafter_log_probs: Sequence[float] | None = None,
+) -> UnionTree:
+    """The top-``budget`` tree over the drafter's candidates and a lookup tree.
+
+    Args:
+        log_probs: [L, K] the drafter's top-K log-probabilities per depth,
+            descending (``tree.draft_top_k``); L = 0 for no drafter pass.
+        token_ids: [L, K] their token ids.
+        budget: draft nodes at most (root excluded).
+        root_token: the last committed token (row 0).
+        lookup: the lookup tree (None: the drafter's tree alone).
+        max_depth: the deepest node (default L; lookup nodes only past L).
+        lookup_drafter_log_probs: per lookup node, the drafter's log-probability
+            of its token at its depth (-inf past L): the drafter's share of a
+            token both propose, whether or not it is among the K candidates
+            (default: read from the candidates, 0 outside them).
+
+    Returns:
+        The tree (see the module docstring for the score).
+    """
+    log_probs = np.asarray(log_probs, dtype=np.float64)
+    token_ids = np.asarray(token_ids, dtype=np.int64)
+    depth_limit = log_probs.shape[0] if log_probs.ndim == 2 else 0
+    max_depth = depth_limit if max_depth is None else max(int(max_depth), 0)
+    tree = UnionTree([int(root_token)], [-1], [0], [0.0], [0], [-1])
+    if budget <= 0:
+        return tree
+    kids = lookup.children() if lookup is not None else {}
+    on_lookup = [lookup is not None]  # the node's path lies on the lookup tree
+    order_in_depth = [0]  # position of a node among the popped nodes of its depth
+    popped_per_depth: dict[int, int] = {}
+    heap: list[tuple[float, int, int, int, int, int, int, int]] = []
+
+    def push_children(node: int) -> None:
+        depth = tree.depths[node]
+        if depth >= max_depth:
+            return
+        lookup_kids = kids.get(tree.lookup_nodes[node], []) if on_lookup[node] else []
+        taken = sum(lookup.probs[c] for c in lookup_kids) if lookup_kids else 0.0
+        share = math.log1p(-min(taken, 1.0)) if taken < 1.0 else -math.inf
+        candidates: dict[int, float] = {}
+        if depth < depth_limit:
+            candidates = dict(
+                zip(token_ids[depth].tolist(), log_probs[depth].tolist(), strict=True)
+            )
+        children = []  # (log p, token, source, lookup node)
+        for c in lookup_kids:
+            token = int(lookup.tokens[c])
+            prob = lookup.probs[c]
+            source = FROM_LOOKUP
+            drafter_lp = (
+                candidates.get(token, -math.inf)
+                if lookup_drafter_log_probs is None
+                else lookup_drafter_log_probs[c]
+            )
+            if token in candidates:
+                source |= FROM_DRAFTER
+            if drafter_lp > -math.inf and share > -math.inf:
+                prob += math.exp(share + drafter_lp)
+            children.append((math.log(min(prob, 1.0)), token, source, c))
+        if share > -math.inf and depth < depth_limit:
+            # Best first: a candidate ranked below the nodes still to add can
+            # never be added (each better sibling takes one first).
+            room = budget - tree.num_nodes
+            lookup_tokens = {child[1] for child in children}
+            children += [
+                (share + float(lp), int(token), FROM_DRAFTER, -1)
+                for token, lp in zip(
+                    token_ids[depth][:room], log_probs[depth][:room], strict=True
+                )
+                if int(token) not in lookup_tokens
+            ]
+        base = tree.log_scores[node]
+        for rank, (lp, token, source, lookup_node) in enumerate(children):
+            score = base + lp
+            if score == -math.inf:
+                continue
+            heapq.heappush(
+                heap,
+                (
+                    -score,
+                    depth + 1,
+                    order_in_depth[node],
+                    rank,
+                    node,
+                    token,
+                    source,
+                    lookup_node,
+                ),
+            )
+
+    push_children(0)
+    while heap and tree.num_nodes < budget:
+        neg, depth, _, _, parent, token, source, lookup_node = heapq.heappop(heap)
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        tree.log_scores.append(-neg)
+        tree.sources.append(source)
+        tree.lookup_nodes.append(lookup_node)
+        on_lookup.append(lookup_node >= 0)
+        order_in_depth.append(popped_per_depth.get(depth, 0))
+        popped_per_depth[depth] = order_in_depth[-1] + 1
+        push_children(len(tree.tokens) - 1)
+    return tree
