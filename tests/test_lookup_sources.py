@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Lookup sources (``vllm_adapter/lookup.py``) on a stand-in input batch:
+vLLM's n-gram matcher everywhere, arctic-inference's SuffixDecodingCache where
+it is installed (its trees, the cross-request memory bound)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_ddtree.vllm_adapter import lookup  # noqa: E402
+
+
+def batch(requests: dict[str, tuple[list[int], list[int]]]):
+    """An input batch of ``req_id -> (prompt, output so far)``."""
+    ids = list(requests)
+    width = max(len(p) + len(o) for p, o in requests.values()) + 8
+    tokens = np.zeros((len(ids), width), dtype=np.int64)
+    for i, (p, o) in enumerate(requests.values()):
+        tokens[i, : len(p) + len(o)] = p + o
+    return SimpleNamespace(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        num_tokens_no_spec=np.array([len(p) + len(o) for p, o in requests.values()]),
+        num_prompt_tokens=np.array([len(p) for p, _ in requests.values()]),
+        token_ids_cpu=tokens,
+    )
+
+
+def test_ngram_lookup_copies_what_followed_the_last_match(vllm_patched):
+    source = lookup.NgramLookup(lookup.LookupSettings(max_spec_tokens=4), 512)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]
+    drafts = source.propose(batch({"a": (prompt, [7])}), [[7]])
+    (draft,) = drafts
+    assert list(draft.tokens) == [8, 9, 10, 11]
+    assert list(draft.parents) == [-1, 0, 1, 2]
+    # A prompt chunk (nothing sampled) gets no draft.
+    assert source.propose(batch({"a": (prompt, [7])}), [[]]) == [None]
+
+
+needs_suffix = pytest.mark.skipif(
+    not lookup.suffix_decoding_available(), reason="arctic-inference not installed"
+)
+
+
+@needs_suffix
+def test_suffix_lookup_proposes_a_tree_from_the_prompt():
+    """Prompt ``1 2 3 4 5 6 1 2 3 4 7 8``, output ``9 1 2 3``: after ``1 2 3``
+    the prompt continued with ``4`` twice, then ``5`` or ``7``."""
+    source = lookup.SuffixLookup(lookup.LookupSettings(min_token_prob=0.0), 512)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8]
+    (draft,) = source.propose(batch({"a": (prompt, [9, 1, 2, 3])}), [[9, 1, 2, 3]])
+    assert draft.tokens[0] == 4 and draft.parents[0] == -1
+    children = {draft.tokens[i] for i, p in enumerate(draft.parents) if p == 0}
+    assert {5, 7} <= children
+    assert all(0 < p <= 1 for p in draft.probs)
+
+
+@needs_suffix
+def test_suffix_memory_keeps_at_most_max_cached_requests():
+    source = lookup.SuffixLookup(lookup.LookupSettings(max_cached_requests=2), 512)
+    for k in range(5):
+        req = f"r{k}"
+        source.propose(batch({req: ([k, k + 1, k + 2], [k + 3])}), [[k + 3]])
+        source.propose(batch({}), [])  # the request left the batch: stopped
+    assert len(source.cache.cached_requests) <= 2
+    assert not source.cache.active_requests
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(max_tree_depth=0), "suffix_decoding_max_tree_depth"),
+        (dict(min_token_prob=1.5), "suffix_decoding_min_token_prob"),
+        (dict(max_spec_factor=-1.0), "suffix_decoding_max_spec_factor"),
+        (dict(max_cached_requests=-2), "suffix_decoding_max_cached_requests"),
+        (dict(ngram_min=3, ngram_max=2), "ngram_min/ngram_max"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        lookup.LookupSettings(**kwargs)

@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Lookup sources for DDTree's union trees: what was already said, as drafts.
+
+Two sources, one interface (:meth:`propose`: a :class:`~vllm_ddtree.lookup_tree.
+LookupDraft` or None per request of the input batch, after its newly sampled
+tokens):
+
+* :class:`SuffixLookup`: SuffixDecoding (https://arxiv.org/abs/2411.04975)
+  through arctic-inference's ``SuffixDecodingCache``, the cache vLLM's
+  ``"suffix"`` method keeps, maintained as vLLM's ``SuffixDecodingProposer``
+  maintains it (a suffix tree per active request's prompt, earlier responses
+  across requests up to ``max_cached_requests``), asked for a *tree*
+  (``use_tree_spec=True``) with a probability per node;
+* :class:`NgramLookup`: vLLM's n-gram matcher over the request's own tokens
+  (one path), where arctic-inference is not installed.
+
+The raw probabilities are the sources' own; the union tree uses them calibrated
+(:mod:`vllm_ddtree.lookup_calibration`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_ddtree.lookup_tree import LookupDraft
+
+__all__ = [
+    "LookupSettings",
+    "NgramLookup",
+    "SuffixLookup",
+    "make_lookup",
+    "suffix_decoding_available",
+]
+
+# An n-gram match has no score of its own: its calibration starts here.
+NGRAM_RAW_PROB = 0.5
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """vLLM's SuffixDecoding settings (the same names and defaults as its
+    ``SpeculativeConfig``), and the drafts' size."""
+
+    max_tree_depth: int = 24  # suffix_decoding_max_tree_depth
+    max_spec_factor: float = 1.0  # suffix_decoding_max_spec_factor
+    min_token_prob: float = 0.1  # suffix_decoding_min_token_prob
+    max_cached_requests: int = 10000  # suffix_decoding_max_cached_requests
+    max_spec_tokens: int = 16  # nodes per lookup tree at most
+    ngram_min: int = 1  # the n-gram fallback's shortest match
+    ngram_max: int = 3  # and longest
+
+    def __post_init__(self) -> None:
+        checks = {
+            "suffix_decoding_max_tree_depth": self.max_tree_depth >= 1,
+            "suffix_decoding_max_spec_factor": self.max_spec_factor > 0,
+            "suffix_decoding_min_token_prob": 0.0 <= self.min_token_prob <= 1.0,
+            "suffix_decoding_max_cached_requests": self.max_cached_requests >= -1,
+            "max_spec_tokens": self.max_spec_tokens >= 1,
+            "ngram_min/ngram_max": 1 <= self.ngram_min <= self.ngram_max,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"ddtree lookup: invalid {', '.join(bad)} ({self})")
+
+
+def suffix_decoding_available() -> bool:
+    """Whether arctic-inference's SuffixDecoding extension imports here."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SuffixLookup:
+    """Lookup trees from arctic-inference's ``SuffixDecodingCache``."""
+
+    name = "suffix (arctic-inference SuffixDecodingCache, trees)"
+
+    def __init__(self, settings: LookupSettings, max_model_len: int):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.settings = settings
+        self.max_model_len = max_model_len
+        self.cache = SuffixDecodingCache(
+            max_tree_depth=settings.max_tree_depth,
+            max_cached_requests=settings.max_cached_requests,
+        )
+
+    def propose(
+        self, input_batch, sampled_token_ids: list[list[int]]
+    ) -> list[LookupDraft | None]:
+        """One lookup tree (or None) per request of ``input_batch``, after
+        adding each request's newly sampled tokens to the cache; requests no
+        longer in the batch are stopped (their responses join the global tree)."""
+        cache, settings = self.cache, self.settings
+        drafts: list[LookupDraft | None] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            req_id = input_batch.req_ids[i]
+            num_tokens = int(input_batch.num_tokens_no_spec[i])
+            if not sampled or num_tokens >= self.max_model_len:
+                drafts.append(None)  # a prompt chunk, or no room left
+                continue
+            if req_id not in cache.active_requests:
+                if req_id in cache.cached_requests:
+                    cache.evict_cached_response(req_id)
+                num_prompt = int(input_batch.num_prompt_tokens[i])
+                cache.start_request(req_id, input_batch.token_ids_cpu[i, :num_prompt])
+            cache.add_active_response(req_id, list(sampled))
+            start = max(0, num_tokens - settings.max_tree_depth)
+            draft = cache.speculate(
+                req_id,
+                input_batch.token_ids_cpu[i, start:num_tokens],
+                max_spec_tokens=min(
+                    settings.max_spec_tokens, self.max_model_len - num_tokens - 1
+                ),
+                max_spec_factor=settings.max_spec_factor,
+                min_token_prob=settings.min_token_prob,
+                use_tree_spec=True,
+            )
+            drafts.append(_from_suffix_draft(draft))
+        for req_id in cache.active_requests - input_batch.req_id_to_index.keys():
+            cache.stop_request(req_id)
+        return drafts
+
+
+def _from_suffix_draft(draft) -> LookupDraft | None:
+    """A ``SuffixDecodingDraft`` tree (``parents`` index ``token_ids``, -1: the
+    root) as a :class:`LookupDraft`; siblings' frequencies are normalised
+    where rounding lets them pass 1."""
+    if not draft.token_ids:
+        return None
+    parents = [int(p) for p in draft.parents]
+    probs = np.clip(np.asarray(draft.probs, dtype=np.float64), 1e-9, 1.0)
+    mass = np.zeros(len(parents) + 1)
+    np.add.at(mass, np.asarray(parents) + 1, probs)
+    probs = probs / np.maximum(mass[np.asarray(parents) + 1], 1.0)
+    return LookupDraft([int(t) for t in draft.token_ids], parents, probs.tolist())
+
+
+class NgramLookup:
+    """One lookup path per request from vLLM's n-gram matcher."""
+
+    name = "ngram (vLLM's n-gram matcher, paths)"
+
+    def __init__(self, settings: LookupSettings, max_model_len: int):
+        from vllm.v1.spec_decode.ngram_proposer import (
+            _find_longest_matched_ngram_and_propose_tokens as match,
+        )
+
+        self._match = match
+        self.settings = settings
+        self.max_model_len = max_model_len
+
+    def propose(
+        self, input_batch, sampled_token_ids: list[list[int]]
+    ) -> list[LookupDraft | None]:
+        settings = self.settings
+        drafts: list[LookupDraft | None] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            num_tokens = int(input_batch.num_tokens_no_spec[i])
+            if not sampled or num_tokens >= self.max_model_len:
+                drafts.append(None)
+                continue
+            path = self._match(
+                input_batch.token_ids_cpu[i, :num_tokens],
+                settings.ngram_min,
+                settings.ngram_max,
+                self.max_model_len,
+                settings.max_spec_tokens,
+            )
+            if len(path) == 0:
+                drafts.append(None)
+                continue
+            drafts.append(
+                LookupDraft(
+                    [int(t) for t in path],
+                    list(range(-1, len(path) - 1)),
+                    [NGRAM_RAW_PROB] * len(path),
+                )
+            )
+        return drafts
+
+
+def make_lookup(settings: LookupSettings, max_model_len: int):
+    """SuffixDecoding where arctic-inference imports, else the n-gram matcher."""
+    if suffix_decoding_available():
+        return SuffixLookup(settings, max_model_len)
+    return NgramLookup(settings, max_model_len)
