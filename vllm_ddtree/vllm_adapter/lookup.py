@@ -107,12 +107,14 @@ class SuffixLookup:
                 if req_id in cache.cached_requests:
                     cache.evict_cached_response(req_id)
                 num_prompt = int(input_batch.num_prompt_tokens[i])
-                cache.start_request(req_id, input_batch.token_ids_cpu[i, :num_prompt])
+                cache.start_request(
+                    req_id, _int32(input_batch.token_ids_cpu[i, :num_prompt])
+                )
             cache.add_active_response(req_id, list(sampled))
             start = max(0, num_tokens - settings.max_tree_depth)
             draft = cache.speculate(
                 req_id,
-                input_batch.token_ids_cpu[i, start:num_tokens],
+                _int32(input_batch.token_ids_cpu[i, start:num_tokens]),
                 max_spec_tokens=min(
                     settings.max_spec_tokens, self.max_model_len - num_tokens - 1
                 ),
@@ -124,6 +126,11 @@ class SuffixLookup:
         for req_id in cache.active_requests - input_batch.req_id_to_index.keys():
             cache.stop_request(req_id)
         return drafts
+
+
+def _int32(tokens) -> np.ndarray:
+    """The cache takes int32 arrays (vLLM's token buffer is int32 already)."""
+    return np.ascontiguousarray(tokens, dtype=np.int32)
 
 
 def _from_suffix_draft(draft) -> LookupDraft | None:
