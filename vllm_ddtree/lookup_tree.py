@@ -163,25 +163,63 @@ def build_union_tree(
     if budget <= 0:
         return tree
     kids = lookup.children() if lookup is not None else {}
+    # The drafter's candidates per depth: the same under every node.
+    cand_tokens = [token_ids[d].tolist() for d in range(depth_limit)]
+    cand_lps = [log_probs[d].tolist() for d in range(depth_limit)]
+    cand_of = [
+        dict(zip(t, v, strict=True)) for t, v in zip(cand_tokens, cand_lps, strict=True)
+    ]
     on_lookup = [lookup is not None]  # the node's path lies on the lookup tree
     order_in_depth = [0]  # position of a node among the popped nodes of its depth
     popped_per_depth: dict[int, int] = {}
-    heap: list[tuple[float, int, int, int, int, int, int, int]] = []
+    # Per node: log of the drafter's share, the tokens its lookup children
+    # took, and their count (the drafter's ranks come after them).
+    shares: list[float] = []
+    taken_tokens: list[set[int]] = []
+    first_rank: list[int] = []
+    heap: list[tuple] = []
+
+    def push(
+        node: int,
+        lp: float,
+        rank: int,
+        token: int,
+        source: int,
+        lookup_node: int,
+        r: int,
+    ):
+        score = tree.log_scores[node] + lp
+        if score > -math.inf:
+            heapq.heappush(
+                heap,
+                (-score, tree.depths[node] + 1, order_in_depth[node], rank, node,
+                 token, source, lookup_node, r),
+            )  # fmt: skip
+
+    def push_drafter(node: int, r: int) -> None:
+        """The node's drafter child of candidate rank ``r`` or the next one not
+        taken by a lookup child: siblings are pushed one at a time, each when
+        the one before it is added (they score in rank order)."""
+        depth = tree.depths[node]
+        tokens, taken = cand_tokens[depth], taken_tokens[node]
+        while r < len(tokens) and tokens[r] in taken:
+            r += 1
+        if r < len(tokens):
+            lp = shares[node] + cand_lps[depth][r]
+            push(node, lp, first_rank[node] + r, tokens[r], FROM_DRAFTER, -1, r)
 
     def push_children(node: int) -> None:
         depth = tree.depths[node]
-        if depth >= max_depth:
-            return
         lookup_kids = kids.get(tree.lookup_nodes[node], []) if on_lookup[node] else []
         taken = sum(lookup.probs[c] for c in lookup_kids) if lookup_kids else 0.0
         share = math.log1p(-min(taken, 1.0)) if taken < 1.0 else -math.inf
-        candidates: dict[int, float] = {}
-        if depth < depth_limit:
-            candidates = dict(
-                zip(token_ids[depth].tolist(), log_probs[depth].tolist(), strict=True)
-            )
-        children = []  # (log p, token, source, lookup node)
-        for c in lookup_kids:
+        shares.append(share)
+        taken_tokens.append({int(lookup.tokens[c]) for c in lookup_kids})
+        first_rank.append(len(lookup_kids))
+        if depth >= max_depth:
+            return
+        candidates = cand_of[depth] if depth < depth_limit else {}
+        for rank, c in enumerate(lookup_kids):
             token = int(lookup.tokens[c])
             prob = lookup.probs[c]
             source = FROM_LOOKUP
@@ -194,41 +232,13 @@ def build_union_tree(
                 source |= FROM_DRAFTER
             if drafter_lp > -math.inf and share > -math.inf:
                 prob += math.exp(share + drafter_lp)
-            children.append((math.log(min(prob, 1.0)), token, source, c))
+            push(node, math.log(min(prob, 1.0)), rank, token, source, c, -1)
         if share > -math.inf and depth < depth_limit:
-            # Best first: a candidate ranked below the nodes still to add can
-            # never be added (each better sibling takes one first).
-            room = budget - tree.num_nodes
-            lookup_tokens = {child[1] for child in children}
-            children += [
-                (share + float(lp), int(token), FROM_DRAFTER, -1)
-                for token, lp in zip(
-                    token_ids[depth][:room], log_probs[depth][:room], strict=True
-                )
-                if int(token) not in lookup_tokens
-            ]
-        base = tree.log_scores[node]
-        for rank, (lp, token, source, lookup_node) in enumerate(children):
-            score = base + lp
-            if score == -math.inf:
-                continue
-            heapq.heappush(
-                heap,
-                (
-                    -score,
-                    depth + 1,
-                    order_in_depth[node],
-                    rank,
-                    node,
-                    token,
-                    source,
-                    lookup_node,
-                ),
-            )
+            push_drafter(node, 0)
 
     push_children(0)
     while heap and tree.num_nodes < budget:
-        neg, depth, _, _, parent, token, source, lookup_node = heapq.heappop(heap)
+        neg, depth, _, _, parent, token, source, lookup_node, r = heapq.heappop(heap)
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.depths.append(depth)
@@ -239,4 +249,6 @@ def build_union_tree(
         order_in_depth.append(popped_per_depth.get(depth, 0))
         popped_per_depth[depth] = order_in_depth[-1] + 1
         push_children(len(tree.tokens) - 1)
+        if r >= 0:
+            push_drafter(parent, r + 1)
     return tree
