@@ -14,12 +14,16 @@ stay at full strength. The drafts are scripted as in
 ``test_e2e_architectures``: the target's greedy continuation at rank 1 and a
 wrong token at rank 0 at every depth, so every accepted path is a sibling path
 and its recurrent state must come from a non-spine node. The GDN tree rows run
-vLLM's own CPU decode kernels (``vllm_adapter/gdn_state.py``), so they compute
-what a decode of their path computes bit for bit, and the comparison with plain
-greedy decoding is exact. Mutations: a GDN row taking the previous row's state
-and conv window fails the greedy test; a commit of the request's last tree row
-instead of the accepted node is caught by ``test_gdn_state.py`` (here the
-accepted rank-1 path always ends at the last row).
+the decode kernels of vLLM's non-speculative path, and prompt chunks that path
+itself (``vllm_adapter/gdn_state.py``), so they compute what a non-speculative
+engine computes bit for bit: the outputs and every emitted logprob are compared
+exactly. Mutations: a GDN row taking the previous row's state and conv window
+fails the greedy test; on an AVX-512-BF16 CPU, tree rows on the conv of vLLM's
+speculative path, or prompt chunks through that path, fail it too (tokens in 2
+prompts of 6, logprobs from the first token: issue 44); a commit of the
+request's last tree row instead of the accepted node is caught by
+``test_gdn_state.py`` (here the accepted rank-1 path always ends at the last
+row).
 """
 
 import gc
