@@ -1,0 +1,219 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Offline replay: how much of the target's greedy output lookup drafts predict
+(issue 45), with no model.
+
+The committed generations pack (``vllm_ddtree/drafter/generations``: SmolLM2-
+135M-Instruct's greedy continuations of prompts from the four datasets) is
+replayed in its order through arctic-inference's ``SuffixDecodingCache`` as
+vLLM's ``"suffix"`` method keeps it (each prompt's suffix tree, earlier
+responses across requests). At each verify step the lookup proposes (up to
+``--max-spec`` tokens); the step accepts the longest proposed path the target's
+output follows, plus the bonus token. Variants: the cache's tree
+(``use_tree_spec=True``, what ddtree's union tree takes) or its single path
+(what vLLM's ``"suffix"`` verifies), with and without the cross-request memory
+(``max_cached_requests`` 0: each request's own prompt and output only); and
+vLLM's n-gram matcher (prompt lookup, 1..3-grams). Reported: acceptance length
+tau (tokens per verify step) over the first 64 and 256 output tokens, and the
+mean lookup nodes per step (what they cost a node budget).
+
+    .venv/bin/python benchmarks/replay_lookup.py --rows 1500 \\
+        --out benchmarks/results/replay_lookup
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK = ROOT / "vllm_ddtree/drafter/generations/smollm2_135m.jsonl.gz"
+
+
+def load_rows(count: int) -> list[dict]:
+    rows = []
+    with gzip.open(PACK, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if "output_ids" in row and row.get("temperature", 0.0) == 0.0:
+                rows.append(row)
+    return rows[-count:]
+
+
+def accepted_along(draft_tokens, parents, truth) -> int:
+    """Nodes of the longest root path in the draft that ``truth`` follows."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(draft_tokens, parents, strict=True)):
+        children.setdefault(int(parent), {})[int(token)] = i
+    node, n = -1, 0
+    for token in truth:
+        node = children.get(node, {}).get(int(token))
+        if node is None:
+            break
+        n += 1
+    return n
+
+
+def replay(rows, horizon: int, propose, start=None, add=None, stop=None):
+    """tau over each output's first ``horizon`` tokens, and lookup nodes per step."""
+    steps = tokens = nodes = 0
+    for k, row in enumerate(rows):
+        prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
+        output = list(row["output_ids"])[:horizon]
+        if start is not None:
+            start(k, prompt)
+        t = 0
+        while t < len(output):
+            context = np.concatenate([prompt, np.asarray(output[:t], dtype=np.int32)])
+            draft_tokens, parents = propose(k, context)
+            nodes += len(draft_tokens)
+            # The drafts follow the committed tokens; the step commits the
+            # matched drafts and the target's next token.
+            gained = min(1 + accepted_along(draft_tokens, parents, output[t:]),
+                         len(output) - t)  # fmt: skip
+            if add is not None:
+                add(k, output[t : t + gained])
+            t += gained
+            steps += 1
+            tokens += gained
+        if stop is not None:
+            stop(k)
+    return tokens / max(steps, 1), nodes / max(steps, 1)
+
+
+def suffix_variant(max_spec: int, tree: bool, cached: int):
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=cached)
+
+    def start(k, prompt):
+        cache.start_request(k, prompt)
+
+    def propose(k, context):
+        draft = cache.speculate(
+            k,
+            context[-24:],
+            max_spec_tokens=max_spec,
+            max_spec_factor=1.0,
+            min_token_prob=0.1,
+            use_tree_spec=tree,
+        )
+        parents = draft.parents if tree else list(range(-1, len(draft.token_ids) - 1))
+        return draft.token_ids, parents
+
+    def add(k, tokens):
+        cache.add_active_response(k, list(tokens))
+
+    def stop(k):
+        cache.stop_request(k)
+
+    return dict(propose=propose, start=start, add=add, stop=stop)
+
+
+def ngram_variant(max_spec: int):
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as match,
+    )
+
+    def propose(k, context):
+        path = match(context.astype(np.int64), 1, 3, 1 << 30, max_spec)
+        return path.tolist(), list(range(-1, len(path) - 1))
+
+    return dict(propose=propose)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1500)
+    ap.add_argument("--max-spec", type=int, default=16)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/replay_lookup"))
+    args = ap.parse_args()
+    rows = load_rows(args.rows)
+    variants = {
+        "suffix tree, cross-request": lambda: suffix_variant(
+            args.max_spec, True, 10000
+        ),
+        "suffix path, cross-request (vLLM suffix)": lambda: suffix_variant(
+            args.max_spec, False, 10000
+        ),
+        "suffix tree, own request only": lambda: suffix_variant(args.max_spec, True, 0),
+        "suffix path, own request only": lambda: suffix_variant(
+            args.max_spec, False, 0
+        ),
+        "n-gram (vLLM ngram, 1-3)": lambda: ngram_variant(args.max_spec),
+    }
+    table = {}
+    for name, make in variants.items():
+        entry = {}
+        for horizon in (64, 256):
+            started = time.perf_counter()
+            tau, nodes = replay(rows, horizon, **make())
+            entry[f"tau_{horizon}"] = round(tau, 3)
+            entry[f"nodes_per_step_{horizon}"] = round(nodes, 2)
+            entry[f"seconds_{horizon}"] = round(time.perf_counter() - started, 1)
+        table[name] = entry
+        print(name, entry, flush=True)
+    tree, path = (
+        table["suffix tree, cross-request"],
+        table["suffix path, cross-request (vLLM suffix)"],
+    )
+    result = {
+        "command": " ".join(
+            ["python", "benchmarks/replay_lookup.py", f"--rows {len(rows)}"]
+        ),
+        "rows": len(rows),
+        "output_tokens_mean": round(
+            float(np.mean([len(r["output_ids"]) for r in rows])), 1
+        ),
+        "variants": table,
+        "goals": [
+            {
+                "name": "lookup tree tau_256 / lookup path tau_256 (suffix, cross-request)",
+                "value": round(tree["tau_256"] / path["tau_256"], 3),
+                "target": 1.0,
+                "pass": tree["tau_256"] >= path["tau_256"],
+            }
+        ],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    lines = [
+        "# Lookup drafts replayed on the target's greedy outputs (no model)",
+        "",
+        f"`{result['command']}`: {result['rows']} greedy rows of the generations "
+        f"pack (outputs {result['output_tokens_mean']} tokens on average), "
+        f"up to {args.max_spec} lookup tokens per step.",
+        "",
+        "| lookup | tau (first 64) | tau (first 256) | lookup nodes / step (256) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, e in table.items():
+        lines.append(
+            f"| {name} | {e['tau_64']} | {e['tau_256']} | {e['nodes_per_step_256']} |"
+        )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = list(table)
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [table[n]["tau_64"] for n in names], 0.4, label="first 64")
+    ax.bar(x + 0.2, [table[n]["tau_256"] for n in names], 0.4, label="first 256")
+    ax.set_xticks(x, [n.replace(", ", "\n") for n in names], fontsize=7)
+    ax.set_ylabel("tau (tokens / verify step)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
