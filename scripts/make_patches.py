@@ -136,9 +136,10 @@ FIXED_BUDGET_REWRITES = [
     ),
     (
         "vllm_ddtree/vllm_adapter/config.py",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``),\n"
+        "        ``lookup`` and ``budget_mode`` set.\n",
         "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) and\n"
-        "        ``budget_mode`` set.\n",
-        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) set.\n",
+        "        ``lookup`` set.\n",
     ),
     (
         "vllm_ddtree/vllm_adapter/config.py",
@@ -1064,7 +1065,9 @@ RUNNER_EDITS = [
         "        if self.ddtree is not None:\n"
         "            # The committed path's positions and hidden states for the\n"
         "            # drafter.\n"
-        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n"
+        "            aux_hidden_states = self.ddtree.before_propose(\n"
+        "                aux_hidden_states, sampled_token_ids\n"
+        "            )\n"
         "        num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens\n"
         "        spec_config = self.speculative_config\n"
         "        assert spec_config is not None\n"
@@ -1112,8 +1115,12 @@ BUDGET_RUNNER_EDITS = [
         "            self.ddtree.profile_step_costs()\n",
     ),
     (
-        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n",
-        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n"
+        "            aux_hidden_states = self.ddtree.before_propose(\n"
+        "                aux_hidden_states, sampled_token_ids\n"
+        "            )\n",
+        "            aux_hidden_states = self.ddtree.before_propose(\n"
+        "                aux_hidden_states, sampled_token_ids\n"
+        "            )\n"
         "            # The auto budget may skip the drafter's forward this step.\n"
         "            skipped = self.ddtree.skip_drafter(\n"
         "                scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata\n"

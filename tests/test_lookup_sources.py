@@ -16,7 +16,8 @@ from vllm_ddtree.vllm_adapter import lookup  # noqa: E402
 
 
 def batch(requests: dict[str, tuple[list[int], list[int]]]):
-    """An input batch of ``req_id -> (prompt, output so far)``."""
+    """An input batch before a step's bookkeeping: ``req_id -> (prompt, output
+    committed before this step)`` (the step's new tokens are passed apart)."""
     ids = list(requests)
     width = max((len(p) + len(o) for p, o in requests.values()), default=0) + 8
     tokens = np.zeros((len(ids), width), dtype=np.int64)
@@ -34,7 +35,7 @@ def batch(requests: dict[str, tuple[list[int], list[int]]]):
 def test_ngram_lookup_copies_what_followed_the_last_match(vllm_patched):
     source = lookup.NgramLookup(lookup.LookupSettings(max_spec_tokens=4), 512)
     prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]
-    drafts = source.propose(batch({"a": (prompt, [7])}), [[7]])
+    drafts = source.propose(batch({"a": (prompt, [])}), [[7]])
     (draft,) = drafts
     assert list(draft.tokens) == [8, 9, 10, 11]
     assert list(draft.parents) == [-1, 0, 1, 2]
@@ -53,7 +54,7 @@ def test_suffix_lookup_proposes_a_tree_from_the_prompt():
     the prompt continued with ``4`` twice, then ``5`` or ``7``."""
     source = lookup.SuffixLookup(lookup.LookupSettings(min_token_prob=0.0), 512)
     prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8]
-    (draft,) = source.propose(batch({"a": (prompt, [9, 1, 2, 3])}), [[9, 1, 2, 3]])
+    (draft,) = source.propose(batch({"a": (prompt, [9, 1])}), [[2, 3]])
     assert draft.tokens[0] == 4 and draft.parents[0] == -1
     children = {draft.tokens[i] for i, p in enumerate(draft.parents) if p == 0}
     assert {5, 7} <= children
@@ -65,7 +66,7 @@ def test_suffix_memory_keeps_at_most_max_cached_requests():
     source = lookup.SuffixLookup(lookup.LookupSettings(max_cached_requests=2), 512)
     for k in range(5):
         req = f"r{k}"
-        source.propose(batch({req: ([k, k + 1, k + 2], [k + 3])}), [[k + 3]])
+        source.propose(batch({req: ([k, k + 1, k + 2], [])}), [[k + 3]])
         source.propose(batch({}), [])  # the request left the batch: stopped
     assert len(source.cache.cached_requests) <= 2
     assert not source.cache.active_requests

@@ -110,6 +110,11 @@ class BudgetController:
         # probabilities renormalised over the allowed tokens, and forced runs
         # past the drafter's depth (up to B deep), calibrated apart.
         self.grammar_calibration = AcceptanceCalibration(budget, device)
+        # Trees holding lookup nodes (union trees, lookup-only trees): their
+        # lookup nodes' probabilities are calibrated already (by the lookup's
+        # own calibration), and lookup paths run past the drafter's depth (up
+        # to B deep), so they are calibrated apart too.
+        self.lookup_calibration = AcceptanceCalibration(budget, device)
         # This step's price of a node in expected accepted tokens (the chosen
         # step's throughput times a node's marginal seconds): the scheduler
         # keeps a grammar-built tree's nodes worth at least that.
@@ -376,22 +381,47 @@ class BudgetController:
             self._grammar_factors = self.grammar_calibration.factors().tolist()
         return self._node_price, self._grammar_factors
 
-    def prices(self, tree: DraftTree, grammar_values=None) -> StepPrices | None:
-        """What :meth:`choose` weighs for ``tree``'s batch (None while the cost
-        models warm up); ``grammar_values`` as in :meth:`choose`."""
-        num_reqs = tree.num_reqs
-        full = self.full_pass_seconds(num_reqs, self.draft_depth)
-        if not self.plain_step_cost.ready or full is None:
-            return None
+    def node_values(
+        self, tree: DraftTree, grammar_values=None, lookup_rows=None
+    ) -> torch.Tensor:
+        """[R, B] calibrated expected accepted tokens of ``tree``'s nodes;
+        ``grammar_values`` as in :meth:`choose`, ``lookup_rows`` [Rl] (device)
+        the rows whose trees hold lookup nodes (None: none; ``"all"``: every
+        row)."""
         nodes = tree.scores[:, 1:]  # [R, B] log path probabilities
         first = torch.arange(nodes.shape[1], device=nodes.device)  # [B]
         probs = torch.where(first < tree.num_nodes.unsqueeze(1), nodes.exp(), 0.0)
-        values = self.calibration.node_values(probs, tree.depths[:, 1:])
+        depths = tree.depths[:, 1:]
+        if isinstance(lookup_rows, str):
+            return self.lookup_calibration.node_values(probs, depths)
+        values = self.calibration.node_values(probs, depths)
+        if lookup_rows is not None:
+            values = values.index_copy(
+                0,
+                lookup_rows,
+                self.lookup_calibration.node_values(
+                    probs.index_select(0, lookup_rows),
+                    depths.index_select(0, lookup_rows),
+                ),
+            )
         if grammar_values is not None:
             rows, grammar_probs, grammar_depths = grammar_values
             values = values.index_copy(
                 0, rows, self.grammar_calibration.node_values(grammar_probs, grammar_depths)
             )
+        return values
+
+    def prices(
+        self, tree: DraftTree, grammar_values=None, lookup_rows=None
+    ) -> StepPrices | None:
+        """What :meth:`choose` weighs for ``tree``'s batch (None while the cost
+        models warm up); ``grammar_values``, ``lookup_rows`` as in
+        :meth:`node_values`."""
+        num_reqs = tree.num_reqs
+        full = self.full_pass_seconds(num_reqs, self.draft_depth)
+        if not self.plain_step_cost.ready or full is None:
+            return None
+        values = self.node_values(tree, grammar_values, lookup_rows)
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
         context = self.context_drafter_cost.estimate(num_reqs)
@@ -399,11 +429,50 @@ class BudgetController:
         plain = float(self.plain_step_cost.predict(num_reqs))
         return StepPrices(values, full, context, plain)
 
-    def choose(self, tree: DraftTree, grammar_values=None) -> torch.Tensor:
+    def _lookup_only_choice(
+        self, tree: DraftTree, context: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nodes per request [R], expected committed tokens per second) of
+        the best prefixes of lookup-only trees ``tree`` verified with a
+        context-only drafter pass after them (k = 0: a plain step)."""
+        values = self.node_values(tree, lookup_rows="all")
+        rows = tree.num_reqs + np.arange(values.numel() + 1)
+        verify = self.tree_step_seconds(rows, tree.num_reqs)
+        verify[0] = float(self.plain_step_cost.predict(tree.num_reqs))
+        curve = torch_utils.async_tensor_h2d(
+            verify + context, device=values.device, dtype=torch.float32
+        )
+        return allocate_nodes(values, curve)
+
+    def choose_lookup_only(self, tree: DraftTree) -> torch.Tensor:
+        """[R] nodes to keep per request of lookup-only trees (a step whose
+        drafter pass was skipped): the prefixes that beat a plain step, or
+        none."""
+        num_reqs = tree.num_reqs
+        context = self.context_drafter_cost.estimate(num_reqs)
+        if not self.plain_step_cost.ready or context is None:
+            return tree.num_nodes  # warming up: what the lookup proposes
+        counts, _ = self._lookup_only_choice(tree, context)
+        counts = torch.minimum(counts, tree.num_nodes)
+        # Skipped steps count 0 nodes on the host (draft_next); the nodes a
+        # lookup-only step verifies are counted here.
+        self._drafted_histogram.index_add_(
+            0, counts, torch.ones_like(counts, dtype=torch.int64)
+        )
+        self._skipped_request_steps -= num_reqs
+        return counts
+
+    def choose(
+        self,
+        tree: DraftTree,
+        grammar_values=None,
+        lookup_rows=None,
+        lookup_only: DraftTree | None = None,
+    ) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree).
 
         Args:
-            tree: the batch's drafter trees.
+            tree: the batch's drafter trees (union trees on ``lookup_rows``).
             grammar_values: ``(rows [Rc], path probabilities [Rc, B], depths
                 [Rc, B])`` on the device, or None: the requests whose trees the
                 scheduler builds with their grammars are valued by the
@@ -415,7 +484,7 @@ class BudgetController:
         num_reqs = tree.num_reqs
         self._node_price = 0.0
         self._grammar_factors = None
-        prices = self.prices(tree, grammar_values)
+        prices = self.prices(tree, grammar_values, lookup_rows)
         if prices is None:
             return num_nodes  # warming up: the whole budget
         values, full, context, plain_target = prices
@@ -439,6 +508,9 @@ class BudgetController:
         # [s] a step without drafts: plain target step + context-only pass.
         plain_step = plain_target + context
         plain = num_reqs / plain_step
+        if lookup_only is not None:
+            # Without drafter passes the lookup trees are still verified.
+            plain = max(plain, float(self._lookup_only_choice(lookup_only, context)[1]))
 
         def deepest(n):  # the deepest node among each request's first n[r]
             return torch.where(first < n.unsqueeze(1), node_depths, 0).max()

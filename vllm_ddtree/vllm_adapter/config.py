@@ -56,6 +56,15 @@ class DDTreeConfig:
     kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
+    lookup: Literal["auto", "suffix", "ngram", "off"] = "auto"
+    """Lookup drafts in the tree: tokens that followed the same context before
+    (the request's prompt and output, earlier responses), proposed beside the
+    drafter's and verified in the same pass. ``"suffix"``: SuffixDecoding trees
+    (arctic-inference, what vLLM's ``"suffix"`` method uses; its
+    ``suffix_decoding_*`` settings apply); ``"ngram"``: vLLM's n-gram matcher
+    over the request's own tokens; ``"off"``: the drafter's tree only.
+    ``"auto"`` resolves at start-up to ``"suffix"`` where arctic-inference is
+    installed, else ``"ngram"``."""
     # >>> auto budget
     budget_mode: Literal["auto", "fixed"] | None = None
     """``"auto"``: B is the largest budget; each step keeps, per request, the tree
@@ -89,6 +98,7 @@ DDTREE_KEYS = {
     "ddtree_threshold_acc": "threshold_acc",
     "ddtree_kernel_backend": "kernel_backend",
     "ddtree_max_children": "max_children",
+    "ddtree_lookup": "lookup",
     # >>> auto budget
     "ddtree_budget": "budget_mode",
     # <<< auto budget
@@ -126,6 +136,11 @@ def _validate(cfg: DDTreeConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ValueError(f"ddtree_{name} must be in (0, 1], got {value!r}")
+    if cfg.lookup not in ("auto", "suffix", "ngram", "off"):
+        raise ValueError(
+            "ddtree_lookup must be 'auto', 'suffix', 'ngram' or 'off', got "
+            f"{cfg.lookup!r}"
+        )
     # >>> auto budget
     if cfg.budget_mode not in (None, "auto", "fixed"):
         raise ValueError(
@@ -156,8 +171,8 @@ def resolve_ddtree_config(
         prefix_caching: whether prefix caching is on.
 
     Returns:
-        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) and
-        ``budget_mode`` set.
+        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``),
+        ``lookup`` and ``budget_mode`` set.
 
     Raises:
         ValueError: naming the refused option, drafter, target or platform.
@@ -259,7 +274,26 @@ def resolve_ddtree_config(
                 "number of positions the DFlash drafter predicts, block_size - 1)"
             )
         draft_len = int(block) - 1
-    return dataclasses.replace(ddtree, draft_len=draft_len)
+    return dataclasses.replace(
+        ddtree, draft_len=draft_len, lookup=resolve_lookup(ddtree.lookup)
+    )
+
+
+def resolve_lookup(lookup: str) -> str:
+    """``ddtree_lookup`` as served: ``"auto"`` becomes ``"suffix"`` where
+    arctic-inference imports, else ``"ngram"``; ``"suffix"`` without it is
+    refused."""
+    from vllm_ddtree.vllm_adapter.lookup import suffix_decoding_available
+
+    if lookup in ("auto", "suffix") and suffix_decoding_available():
+        return "suffix"
+    if lookup == "suffix":
+        raise ValueError(
+            "ddtree_lookup='suffix' needs arctic-inference (SuffixDecoding), which "
+            "does not import here: pip install arctic-inference, or use "
+            "ddtree_lookup='ngram' or 'auto'"
+        )
+    return "ngram" if lookup == "auto" else lookup
 
 
 def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:

@@ -92,32 +92,45 @@ class SuffixLookup:
     def propose(
         self, input_batch, sampled_token_ids: list[list[int]]
     ) -> list[LookupDraft | None]:
-        """One lookup tree (or None) per request of ``input_batch``, after
-        adding each request's newly sampled tokens to the cache; requests no
-        longer in the batch are stopped (their responses join the global tree)."""
+        """One lookup tree (or None) per request of ``input_batch``.
+
+        Args:
+            input_batch: vLLM's input batch, before this step's bookkeeping
+                (its token buffer ends at the tokens committed before this
+                step).
+            sampled_token_ids: per batch row, the tokens this step committed
+                (empty for a prompt chunk or a discarded row).
+
+        The cache learns each request's new tokens; requests no longer in the
+        batch are stopped (their responses join the cross-request memory).
+        """
         cache, settings = self.cache, self.settings
         drafts: list[LookupDraft | None] = []
         for i, sampled in enumerate(sampled_token_ids):
-            req_id = input_batch.req_ids[i]
-            num_tokens = int(input_batch.num_tokens_no_spec[i])
-            if not sampled or num_tokens >= self.max_model_len:
-                drafts.append(None)  # a prompt chunk, or no room left
+            if not sampled:
+                drafts.append(None)  # a prompt chunk: nothing committed
                 continue
+            req_id = input_batch.req_ids[i]
+            history = _history(input_batch, i, sampled)
+            num_tokens = history.shape[0]
             if req_id not in cache.active_requests:
                 if req_id in cache.cached_requests:
                     cache.evict_cached_response(req_id)
                 num_prompt = int(input_batch.num_prompt_tokens[i])
-                cache.start_request(
-                    req_id, _int32(input_batch.token_ids_cpu[i, :num_prompt])
-                )
-            cache.add_active_response(req_id, list(sampled))
-            start = max(0, num_tokens - settings.max_tree_depth)
+                cache.start_request(req_id, history[:num_prompt])
+                # Resumed after preemption: its output so far, not only this
+                # step's tokens.
+                cache.add_active_response(req_id, history[num_prompt:].tolist())
+            else:
+                cache.add_active_response(req_id, list(sampled))
+            room = self.max_model_len - num_tokens - 1
+            if room < 1:
+                drafts.append(None)
+                continue
             draft = cache.speculate(
                 req_id,
-                _int32(input_batch.token_ids_cpu[i, start:num_tokens]),
-                max_spec_tokens=min(
-                    settings.max_spec_tokens, self.max_model_len - num_tokens - 1
-                ),
+                history[max(0, num_tokens - settings.max_tree_depth) :],
+                max_spec_tokens=min(settings.max_spec_tokens, room),
                 max_spec_factor=settings.max_spec_factor,
                 min_token_prob=settings.min_token_prob,
                 use_tree_spec=True,
@@ -128,9 +141,15 @@ class SuffixLookup:
         return drafts
 
 
-def _int32(tokens) -> np.ndarray:
-    """The cache takes int32 arrays (vLLM's token buffer is int32 already)."""
-    return np.ascontiguousarray(tokens, dtype=np.int32)
+def _history(input_batch, row: int, sampled: list[int]) -> np.ndarray:
+    """[n] int32: the row's committed tokens, this step's included."""
+    committed = int(input_batch.num_tokens_no_spec[row])
+    return np.concatenate(
+        [
+            np.asarray(input_batch.token_ids_cpu[row, :committed], dtype=np.int32),
+            np.asarray(sampled, dtype=np.int32),
+        ]
+    )
 
 
 def _from_suffix_draft(draft) -> LookupDraft | None:
@@ -164,19 +183,24 @@ class NgramLookup:
     def propose(
         self, input_batch, sampled_token_ids: list[list[int]]
     ) -> list[LookupDraft | None]:
+        """As :meth:`SuffixLookup.propose`: one path (or None) per request."""
         settings = self.settings
         drafts: list[LookupDraft | None] = []
         for i, sampled in enumerate(sampled_token_ids):
-            num_tokens = int(input_batch.num_tokens_no_spec[i])
-            if not sampled or num_tokens >= self.max_model_len:
+            if not sampled:
+                drafts.append(None)
+                continue
+            history = _history(input_batch, i, sampled)
+            room = self.max_model_len - history.shape[0] - 1
+            if room < 1:
                 drafts.append(None)
                 continue
             path = self._match(
-                input_batch.token_ids_cpu[i, :num_tokens],
+                history,
                 settings.ngram_min,
                 settings.ngram_max,
                 self.max_model_len,
-                settings.max_spec_tokens,
+                min(settings.max_spec_tokens, room),
             )
             if len(path) == 0:
                 drafts.append(None)

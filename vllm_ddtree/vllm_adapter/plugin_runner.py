@@ -107,7 +107,9 @@ class DDTreeRunnerMixin:
         common_attn_metadata,
         slot_mappings,
     ):
-        aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)
+        aux_hidden_states = self.ddtree.before_propose(
+            aux_hidden_states, sampled_token_ids
+        )
         skipped = self.ddtree.skip_drafter(
             scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata
         )

@@ -55,6 +55,13 @@ class DDTreeProposer(DFlashProposer):
         # budget): the grammar may rule out the drafter's first choices, and a
         # node's distribution is renormalised over the allowed candidates.
         self.grammar_top_k = max(2 * ddtree.budget, 64)
+        # Batch rows with a lookup draft this pass (set by the verifier), and
+        # their drafter candidates (rows, log-probs [Rl, depth, K], target ids),
+        # K as the drafter's own tree: the union tree is built on the host.
+        self.lookup_rows: list[int] = []
+        self.last_lookup_candidates: (
+            tuple[list[int], torch.Tensor, torch.Tensor] | None
+        ) = None
         # Positions drafted this pass (<= draft_len).
         self.draft_depth = self.draft_len
         # >>> auto budget
@@ -139,6 +146,7 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = None
         self.last_tree = None
         self.last_candidates = None
+        self.last_lookup_candidates = None
         # >>> auto budget
         # A step without drafts never gets here: DDTreeVerifier.skip_drafter
         # queues its context K/V (defer_context) and returns no drafts.
@@ -151,24 +159,28 @@ class DDTreeProposer(DFlashProposer):
         num_reqs = next_token_ids.shape[0]
         logits = logits.view(num_reqs, self.draft_depth, -1)
         self.last_tree = self._to_target_ids(self._build_tree(logits, next_token_ids))
-        self.last_candidates = self._grammar_candidates(logits)
+        # Structured requests' rows: the scheduler builds their trees with
+        # their grammars; lookup rows: the verifier builds their union trees.
+        self.last_candidates = self._candidates(
+            logits, self.candidate_rows, self.grammar_top_k
+        )
+        self.last_lookup_candidates = self._candidates(
+            logits, self.lookup_rows, self.ddtree.max_children or self.ddtree.budget
+        )
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
 
-    def _grammar_candidates(self, draft_logits: torch.Tensor):
-        """The drafter's top-K log-probs and target ids per depth of the
-        structured requests' rows (the scheduler builds their trees with their
-        grammars), or None without such requests."""
-        rows = [b for b in self.candidate_rows if b < draft_logits.shape[0]]
+    def _candidates(self, draft_logits: torch.Tensor, rows: list[int], k: int):
+        """The drafter's top-``k`` log-probs and target ids per depth of batch
+        rows ``rows`` (``[Rc, depth, k]`` each), or None without rows."""
+        rows = [b for b in rows if b < draft_logits.shape[0]]
         if not rows:
             return None
         index = torch_utils.async_tensor_h2d(
             rows, dtype=torch.int64, device=draft_logits.device
         )
         selected = draft_logits.index_select(0, index)  # [Rc, depth, V']
-        log_probs, token_ids = draft_top_k(
-            selected, min(self.grammar_top_k, selected.shape[-1])
-        )
+        log_probs, token_ids = draft_top_k(selected, min(k, selected.shape[-1]))
         if self._draft_to_target is not None:
             token_ids = self._draft_to_target[token_ids]
         return rows, log_probs, token_ids

@@ -62,15 +62,16 @@ from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.vllm_adapter.draft_trees import ProposedTrees
+from vllm_ddtree.vllm_adapter.lookup_step import BatchLookup
 from vllm_ddtree.vllm_adapter.step import StepTrees, build_step_trees
 from vllm_ddtree.vllm_adapter.structured_output import GrammarCandidates
 
 __all__ = ["DDTreeVerifier"]
 
 
+logger = init_logger(__name__)
 # >>> auto budget
 _BUDGET_LOG_INTERVAL_S = 10.0  # vLLM's default stats log interval
-logger = init_logger(__name__)
 # <<< auto budget
 
 
@@ -118,6 +119,10 @@ class DDTreeVerifier:
         # Requests whose scheduled drafts came without a tree (verified as a
         # chain): vLLM padded or replaced them.
         self.num_chain_fallbacks = 0
+        # Lookup drafts beside the drafter's (``ddtree_lookup``), or None.
+        self.lookup: BatchLookup | None = _make_lookup(runner.vllm_config, ddtree)
+        # Batch rows whose trees this pass are union trees.
+        self._lookup_rows: list[int] = []
         # >>> auto budget
         self.budget = None
         if ddtree.budget_mode == "auto":
@@ -231,14 +236,16 @@ class DDTreeVerifier:
         sent are forgotten (the worker keeps no tree across steps: what it
         verifies comes with the scheduler's output)."""
         self.proposed.clear()
-        # >>> auto budget
         for req_ids in (
             scheduler_output.finished_req_ids,
             scheduler_output.preempted_req_ids,
         ):
+            if self.lookup is not None:
+                self.lookup.forget(req_ids or ())
+            # >>> auto budget
             for req_id in req_ids or ():
                 self._grammar_trees.pop(req_id, None)
-        # <<< auto budget
+            # <<< auto budget
 
     def prepare_tree_inputs(self, scheduler_output, spec_decode_metadata) -> None:
         """End of ``_prepare_inputs``: the trees of the scheduled drafts, their
@@ -419,10 +426,14 @@ class DDTreeVerifier:
         )
 
     def before_propose(
-        self, aux_hidden_states: list[torch.Tensor] | None
+        self,
+        aux_hidden_states: list[torch.Tensor] | None,
+        sampled_token_ids: torch.Tensor | None = None,
     ) -> list[torch.Tensor] | None:
         """Start of ``propose_draft_token_ids``: the drafter's inputs from the
-        committed path (linear positions restored).
+        committed path (linear positions restored), and this step's lookup
+        trees after the tokens just committed (``sampled_token_ids``: [R, W],
+        -1 padded).
 
         Returns:
             The target's aux hidden states with each accepted path moved first
@@ -431,6 +442,9 @@ class DDTreeVerifier:
         runner = self.runner
         # Structured requests' rows, from this step's scan in sample().
         runner.drafter.candidate_rows = self._structured_rows
+        runner.drafter.lookup_rows = self._lookup_rows = []
+        if self.lookup is not None and sampled_token_ids is not None:
+            self._step_lookup(sampled_token_ids)
         plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -442,6 +456,28 @@ class DDTreeVerifier:
                     _permute_rows(h, plan.hidden_perm) for h in aux_hidden_states
                 ]
         return aux_hidden_states
+
+    def _step_lookup(self, sampled_token_ids: torch.Tensor) -> None:
+        """The lookup's part of a step: what the target did with the verified
+        lookup nodes, then this step's lookup trees (host work; one read of the
+        committed tokens, which vLLM's bookkeeping reads next anyway)."""
+        runner = self.runner
+        num_reqs = runner.input_batch.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        discarded = runner.discard_request_mask.np[:num_reqs]
+        committed = [
+            [] if discarded[b] else [t for t in row if t >= 0]
+            for b, row in enumerate(sampled_token_ids[:num_reqs].tolist())
+        ]
+        step = self._step
+        if step is not None:
+            self.lookup.observe(
+                req_ids, step.parents, step.tokens, step.num_drafts, committed
+            )
+        self.lookup.propose(runner.input_batch, committed)
+        # Structured requests' trees are the scheduler's (their grammars).
+        self._lookup_rows = self.lookup.rows(excluded=self._structured_rows)
+        runner.drafter.lookup_rows = self._lookup_rows
 
     # >>> auto budget
     def skip_drafter(
@@ -492,14 +528,28 @@ class DDTreeVerifier:
         budget.record_drafter(False, num_reqs, seconds - drafter.flush_seconds)
         self._step = None
         self._plan = None
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        draft = torch.empty(num_reqs, 0, dtype=torch.int64, device=runner.device)
+        self.proposed.clear()
+        if self._lookup_rows:
+            # No drafter pass, but the lookup trees cost only their rows.
+            started = time.perf_counter()
+            tree = self.lookup.lookup_only_trees(
+                req_ids, self.lookup.last_tokens, self._lookup_rows, runner.device
+            )
+            tree = dataclasses.replace(
+                tree, num_nodes=budget.choose_lookup_only(tree)
+            )
+            draft = self.proposed.put(req_ids, tree)
+            self._drafter_seconds += time.perf_counter() - started
         # Structured requests still get the tokens their grammar forces: the
         # scheduler builds those trees without drafter candidates.
         self.proposed.put_forced_only(
-            list(runner.input_batch.req_ids[:num_reqs]),
+            req_ids,
             [b for b in drafter.candidate_rows if b < num_reqs],
             self._grammar_candidates,
         )
-        return torch.empty(num_reqs, 0, dtype=torch.int64, device=runner.device)
+        return draft
 
     # <<< auto budget
     def after_propose(self, draft):
@@ -513,21 +563,32 @@ class DDTreeVerifier:
             # the scheduler then schedules (and the spec-decode counters count)
             # real nodes only, and the stash finds the whole tree again.
             tree = drafter.last_tree
+            req_ids = list(runner.input_batch.req_ids[:num_reqs])
+            lookup_rows = []
+            if self.lookup is not None:
+                tree, lookup_rows = self.lookup.union_trees(
+                    req_ids, tree, drafter.last_lookup_candidates
+                )
             # >>> auto budget
             if self.budget is not None:
                 tree = dataclasses.replace(
                     tree,
-                    num_nodes=self.budget.choose(tree, self._grammar_values(tree)),
+                    num_nodes=self.budget.choose(
+                        tree, self._grammar_values(tree), *self._lookup_values(
+                            req_ids, lookup_rows, tree.tokens.device
+                        )
+                    ),
                 )
             # <<< auto budget
             draft = self.proposed.put(
-                list(runner.input_batch.req_ids[:num_reqs]),
+                req_ids,
                 tree,
                 drafter.last_candidates,
                 self._grammar_candidates,
             )
             drafter.last_tree = None
             drafter.last_candidates = None
+            drafter.last_lookup_candidates = None
         # >>> auto budget
         budget = self.budget
         if budget is not None:
@@ -576,6 +637,21 @@ class DDTreeVerifier:
             torch_utils.async_tensor_h2d(depths, device=device),
         )
 
+    def _lookup_values(self, req_ids, lookup_rows, device):
+        """(rows holding union trees [Rl] or None, the batch's lookup-only
+        trees or None): what :meth:`BudgetController.choose` values the lookup
+        by."""
+        if not lookup_rows:
+            return None, None
+        rows = torch_utils.async_tensor_h2d(
+            lookup_rows, dtype=torch.int64, device=device
+        )
+        # Not verified: only a yardstick, its nodes not remembered.
+        alternative = self.lookup.lookup_only_trees(
+            req_ids, self.lookup.last_tokens, lookup_rows, device, remember=False
+        )
+        return rows, alternative
+
     # <<< auto budget
     def _grammar_candidates(
         self, row: int, log_probs: list[list[float]], token_ids: list[list[int]]
@@ -597,6 +673,39 @@ class DDTreeVerifier:
         trees' structure, and structured requests' drafter candidates
         (:mod:`.draft_trees`)."""
         return self.proposed.attach(draft_token_ids)
+
+
+def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
+    """The worker's lookup (``ddtree_lookup``, resolved at start-up), with
+    vLLM's ``suffix_decoding_*`` settings, or None when off."""
+    if ddtree.lookup == "off":
+        return None
+    from vllm_ddtree.vllm_adapter.lookup import (
+        LookupSettings,
+        NgramLookup,
+        SuffixLookup,
+    )
+
+    spec = vllm_config.speculative_config
+    settings = LookupSettings(
+        max_tree_depth=spec.suffix_decoding_max_tree_depth,
+        max_spec_factor=spec.suffix_decoding_max_spec_factor,
+        min_token_prob=spec.suffix_decoding_min_token_prob,
+        max_cached_requests=spec.suffix_decoding_max_cached_requests,
+        max_spec_tokens=ddtree.budget,
+    )
+    max_model_len = vllm_config.model_config.max_model_len
+    if ddtree.lookup == "ngram":
+        source = NgramLookup(settings, max_model_len)
+    else:  # "suffix"; "auto" is resolved at start-up (config.resolve_lookup)
+        source = SuffixLookup(settings, max_model_len)
+    logger.info(
+        "ddtree: lookup drafts from %s beside the drafter's, in one tree of at most "
+        "%d nodes (ddtree_lookup='off' turns them off)",
+        source.name,
+        ddtree.budget,
+    )
+    return BatchLookup(source, ddtree.budget)
 
 
 # >>> auto budget
@@ -882,6 +991,15 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     probs = torch.zeros(tree.num_reqs, tree.num_rows)
     verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
     grammar = torch.zeros(tree.num_reqs, dtype=torch.bool)
+    union = torch.zeros(tree.num_reqs, dtype=torch.bool)
+    if verifier.lookup is not None:
+        req_ids = verifier.runner.input_batch.req_ids[: tree.num_reqs]
+        union = torch.tensor(
+            verifier.lookup.union_rows(
+                req_ids, step.parents, step.tokens, step.num_drafts
+            ),
+            dtype=torch.bool,
+        )
     for b, n in enumerate(step.num_drafts):
         scheduled = step.scheduled[b] if step.scheduled else None
         if n == 0 or scheduled is None or scheduled.path_probs is None:
@@ -891,17 +1009,19 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
         grammar[b] = scheduled.grammar_shaped
     if bool(verified.any()):
         device = tree.depths.device
-        probs, verified, grammar = (
+        probs, verified, grammar, union = (
             torch_utils.async_tensor_h2d(x, device=device)
-            for x in (probs, verified, grammar)
+            for x in (probs, verified, grammar, union)
         )
         # Requests verified as a chain (no path probabilities) count nowhere;
         # grammar-built trees (probabilities renormalised over the allowed
-        # tokens) have their own calibration.
+        # tokens) and trees holding lookup nodes have their own calibrations.
         reached = verified.any(dim=1)
+        union = union & ~grammar
         for calibration, rows in (
-            (verifier.budget.calibration, reached & ~grammar),
+            (verifier.budget.calibration, reached & ~grammar & ~union),
             (verifier.budget.grammar_calibration, reached & grammar),
+            (verifier.budget.lookup_calibration, reached & union),
         ):
             calibration.update(
                 probs, tree.depths, verified & rows.unsqueeze(1),

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker's lookup step (``vllm_adapter/lookup_step.py``): union trees in
+the batch's tree, drafter rows untouched, and what a verified step teaches the
+calibration (reached / accepted lookup nodes, read from the committed tokens)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ddtree.lookup_tree import FROM_LOOKUP, LookupDraft, build_union_tree
+from vllm_ddtree.tree import build_ddtree, draft_top_k
+from vllm_ddtree.vllm_adapter.lookup_step import BatchLookup
+
+BUDGET = 6
+DEPTH = 3
+VOCAB = 40
+
+
+class FixedSource:
+    """A lookup source that proposes the given drafts, and records its calls."""
+
+    name = "fixed"
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+        self.calls = []
+
+    def propose(self, input_batch, committed):
+        self.calls.append([list(c) for c in committed])
+        return list(self.drafts)
+
+
+def batch(req_ids):
+    return SimpleNamespace(req_ids=list(req_ids))
+
+
+def drafter_trees(num_reqs, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_reqs, DEPTH, VOCAB, generator=gen) * 3
+    roots = torch.tensor([7 + b for b in range(num_reqs)])
+    tree = build_ddtree(logits, BUDGET, root_token_ids=roots)
+    log_probs, token_ids = draft_top_k(logits, BUDGET)
+    return logits, tree, log_probs, token_ids
+
+
+def test_union_rows_replace_only_lookup_rows():
+    _, tree, log_probs, token_ids = drafter_trees(3)
+    # Row 1 gets a lookup path the drafter never proposes.
+    path = LookupDraft([31, 32, 33, 34], [-1, 0, 1, 2], [0.9, 0.9, 0.9, 0.9])
+    lookup = BatchLookup(FixedSource([None, path, None]), BUDGET)
+    lookup.propose(batch(["a", "b", "c"]), [[7], [8], [9]])
+    assert lookup.rows() == [1]
+    rows = [1]
+    union, replaced = lookup.union_trees(
+        ["a", "b", "c"], tree, (rows, log_probs[rows], token_ids[rows])
+    )
+    assert replaced == [1]
+    for b in (0, 2):  # the drafter's trees, node for node
+        n = int(tree.num_nodes[b])
+        assert int(union.num_nodes[b]) == n
+        for name in ("tokens", "parents", "depths"):
+            assert getattr(union, name)[b, : n + 1].tolist() == getattr(tree, name)[
+                b, : n + 1
+            ].tolist()
+        assert torch.allclose(union.scores[b, : n + 1], tree.scores[b, : n + 1])
+    # Row 1 is the union tree the builder makes from the same inputs (its
+    # lookup probabilities calibrated: an empty calibration keeps them).
+    expected = build_union_tree(
+        log_probs[1].numpy(), token_ids[1].numpy(), BUDGET, 8, lookup=path,
+        max_depth=BUDGET,
+    )  # fmt: skip
+    n = expected.num_nodes
+    assert union.tokens[1, : n + 1].tolist() == expected.tokens
+    assert union.parents[1, : n + 1].tolist() == expected.parents
+    # The lookup path runs past the drafter's depth.
+    assert int(union.depths[1].max()) == 4 > DEPTH
+    assert set(lookup.pending) == {"b"}
+
+
+def test_a_verified_step_teaches_the_calibration():
+    # Lookup-only tree: 31 -> 32 -> 33, and 41 beside 31.
+    draft = LookupDraft([31, 32, 33, 41], [-1, 0, 1, -1], [0.5, 0.5, 0.5, 0.25])
+    lookup = BatchLookup(FixedSource([draft]), BUDGET)
+    lookup.propose(batch(["a"]), [[7]])
+    tree = lookup.lookup_only_trees(["a"], [7], [0], "cpu")
+    n = int(tree.num_nodes[0])
+    parents = tree.parents[0, : n + 1].tolist()
+    tokens = tree.tokens[0, : n + 1].tolist()
+    assert sorted(tokens[1:]) == [31, 32, 33, 41]
+    # The target accepted 31 and 32, then said 99 (33 rejected); 41 was
+    # reached (a child of the root) and rejected.
+    lookup.observe(["a"], [parents], [tokens], [n], [[31, 32, 99]])
+    assert lookup.num_reached == 4  # 31, 41 (root's children), 32, 33
+    assert lookup.num_accepted == 2
+    assert lookup.accepted_by_source == {"drafter": 0, "lookup": 2, "both": 0}
+    cal = lookup.calibration
+    assert cal.reached.sum() == 4 and cal.accepted.sum() == 2
+    # Depth 3's bucket saw one rejection: its probability fell below the raw 0.5.
+    assert float(cal.probability([3], [0.5], [False])[0]) < 0.5
+    assert float(cal.probability([1], [0.5], [False])[0]) > 0.5
+
+
+def test_only_the_proposed_tree_is_read():
+    draft = LookupDraft([31, 32], [-1, 0], [0.5, 0.5])
+    lookup = BatchLookup(FixedSource([draft]), BUDGET)
+    lookup.propose(batch(["a"]), [[7]])
+    tree = lookup.lookup_only_trees(["a"], [7], [0], "cpu")
+    parents = tree.parents[0, :3].tolist()
+    # The scheduler sent other drafts (a chain of other tokens): not ours.
+    assert lookup.union_rows(["a"], [parents], [[7, 50, 51]], [2]) == [False]
+    lookup.observe(["a"], [parents], [[7, 50, 51]], [2], [[50, 51, 3]])
+    assert lookup.num_reached == 0
+    # A prefix of ours is.
+    assert lookup.union_rows(["a"], [[-1, 0]], [[7, 31]], [1]) == [True]
+
+
+def test_a_yardstick_tree_is_not_remembered():
+    draft = LookupDraft([31], [-1], [0.5])
+    lookup = BatchLookup(FixedSource([draft]), BUDGET)
+    lookup.propose(batch(["a"]), [[7]])
+    lookup.lookup_only_trees(["a"], [7], [0], "cpu", remember=False)
+    assert not lookup.pending and lookup.num_proposed == 0
+    lookup.lookup_only_trees(["a"], [7], [0], "cpu")
+    assert set(lookup.pending) == {"a"} and lookup.num_proposed == 1
+    # The next step's proposal replaces it; a finished request is forgotten.
+    lookup.propose(batch(["a"]), [[31]])
+    assert not lookup.pending
+    lookup.lookup_only_trees(["a"], [31], [0], "cpu")
+    lookup.forget(["a"])
+    assert not lookup.pending
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_union_trees_keep_the_budget_and_node_order(seed):
+    rng = np.random.default_rng(seed)
+    _, tree, log_probs, token_ids = drafter_trees(2, seed)
+    drafts = []
+    for _ in range(2):
+        n = int(rng.integers(1, 8))
+        parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+        tokens, seen = [], set()
+        for p in parents:
+            t = int(rng.integers(0, VOCAB))
+            while (p, t) in seen:
+                t = int(rng.integers(0, VOCAB))
+            seen.add((p, t))
+            tokens.append(t)
+        probs = [float(rng.uniform(0.05, 1.0 / n)) for _ in parents]
+        drafts.append(LookupDraft(tokens, parents, probs))
+    lookup = BatchLookup(FixedSource(drafts), BUDGET)
+    lookup.propose(batch(["a", "b"]), [[7], [8]])
+    union, _ = lookup.union_trees(
+        ["a", "b"], tree, ([0, 1], log_probs, token_ids)
+    )
+    for b in range(2):
+        n = int(union.num_nodes[b])
+        assert n <= BUDGET
+        parents = union.parents[b, : n + 1].tolist()
+        assert all(parents[i] < i for i in range(1, n + 1))
+        scores = union.scores[b, 1 : n + 1]
+        # Best first: a node never outscores the node before it in order.
+        assert bool((scores[1:] <= scores[:-1] + 1e-6).all())
+        pending = lookup.pending[["a", "b"][b]]
+        assert all(pending.sources[i - 1] & FROM_LOOKUP for i in pending.nodes)

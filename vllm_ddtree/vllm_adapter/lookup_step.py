@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Lookup drafts in a ddtree step (worker): union trees, and what they taught.
+
+Each step, after the target's verification (``DDTreeVerifier.before_propose``):
+
+1. :meth:`BatchLookup.observe` reads what the target did with last step's
+   lookup nodes (from the tokens it committed: a node is *reached* when its
+   parent was accepted) into the :class:`~vllm_ddtree.lookup_calibration.
+   LookupCalibration`;
+2. :meth:`BatchLookup.propose` asks the lookup source
+   (:mod:`.lookup`) for each request's lookup tree, after its new tokens;
+3. with a drafter pass, :meth:`BatchLookup.union_trees` replaces the drafter's
+   tree of each request that has a lookup tree by the union tree
+   (:func:`~vllm_ddtree.lookup_tree.build_union_tree`, the drafter's top-K per
+   depth and the calibrated lookup tree, under one node budget); without one
+   (the auto budget skipped the drafter), :meth:`BatchLookup.lookup_only_trees`
+   gives lookup trees alone.
+
+Trees are built on the host (lookup sources live there) and leave as one
+:class:`~vllm_ddtree.tree.DraftTree` in node order (parents first, best
+first), so the auto budget's prefix choice and the scheduler's round trip are
+the drafter's. The verifier keeps, per request, which nodes of the tree it
+proposed were lookup nodes (``pending``), to read their fate a step later.
+Lossless whatever the lookup proposes: verification reads the target alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_ddtree.lookup_calibration import LookupCalibration
+from vllm_ddtree.lookup_tree import (
+    FROM_DRAFTER,
+    FROM_LOOKUP,
+    LookupDraft,
+    UnionTree,
+    build_union_tree,
+)
+from vllm_ddtree.tree import DraftTree, tree_from_parents
+from vllm_ddtree.vllm_adapter.step import tree_to_device
+
+__all__ = ["BatchLookup", "PendingLookupNodes"]
+
+
+@dataclass
+class PendingLookupNodes:
+    """The lookup nodes of the tree proposed for a request (node order)."""
+
+    tokens: list[int]  # [n] every node's token (root excluded)
+    sources: list[int]  # [n] FROM_DRAFTER | FROM_LOOKUP of every node
+    nodes: list[int]  # tree nodes (1..n) that are lookup nodes
+    depths: list[int]  # their depths
+    raw: list[float]  # their sources' raw probabilities
+    agreed: list[bool]  # whether the drafter proposed the same token there
+
+
+class BatchLookup:
+    """A ddtree worker's lookup source, its calibration and pending nodes.
+
+    Args:
+        source: a lookup source (:func:`~vllm_ddtree.vllm_adapter.lookup.
+            make_lookup`).
+        budget: the node budget B (the union tree's nodes and depth at most).
+    """
+
+    def __init__(self, source, budget: int):
+        self.source = source
+        self.budget = budget
+        self.calibration = LookupCalibration(max_depth=max(budget, 1))
+        # This step's lookup trees, raw, per batch row (None: none).
+        self.drafts: list[LookupDraft | None] = []
+        # Per batch row, its last committed token (the trees' root; 0: none).
+        self.last_tokens: list[int] = []
+        # req_id -> lookup nodes of the tree last proposed for it.
+        self.pending: dict[str, PendingLookupNodes] = {}
+        # Counters (host): lookup nodes proposed, reached and accepted; the
+        # accepted nodes of union trees by source (drafter only, lookup only,
+        # both).
+        self.num_proposed = 0
+        self.num_reached = 0
+        self.num_accepted = 0
+        self.accepted_by_source = {"drafter": 0, "lookup": 0, "both": 0}
+
+    # ------------------------------------------------------------------ #
+    # After verification
+    # ------------------------------------------------------------------ #
+
+    def union_rows(
+        self, req_ids: list[str], step_parents, step_tokens, num_drafts
+    ) -> list[bool]:
+        """Per batch row: whether its verified tree was a union tree this
+        worker proposed (its scheduled drafts are a prefix of that tree)."""
+        rows = []
+        for b, req_id in enumerate(req_ids):
+            pending = self.pending.get(req_id)
+            n = num_drafts[b]
+            rows.append(
+                pending is not None
+                and n > 0
+                and pending.tokens[:n] == list(step_tokens[b][1 : n + 1])
+                and any(node <= n for node in pending.nodes)
+            )
+        return rows
+
+    def observe(
+        self,
+        req_ids: list[str],
+        step_parents: list[list[int]],
+        step_tokens: list[list[int]],
+        num_drafts: list[int],
+        committed: list[list[int]],
+    ) -> None:
+        """Feeds the calibration what the target did with the verified lookup
+        nodes: ``committed[b]`` is what request ``b`` committed this step (its
+        accepted path, then the bonus token); siblings' tokens differ, so the
+        accepted path is found by its tokens."""
+        union = self.union_rows(req_ids, step_parents, step_tokens, num_drafts)
+        depths, raw, agreed, accepted = [], [], [], []
+        for b, req_id in enumerate(req_ids):
+            if not union[b] or not committed[b]:
+                continue
+            pending = self.pending[req_id]
+            parents, tokens, n = step_parents[b], step_tokens[b], num_drafts[b]
+            on_path = {0}
+            node = 0
+            for token in committed[b][:-1]:
+                child = next(
+                    (
+                        i
+                        for i in range(1, n + 1)
+                        if parents[i] == node and tokens[i] == token
+                    ),
+                    None,
+                )
+                if child is None:
+                    break
+                on_path.add(child)
+                node = child
+                source = pending.sources[child - 1]
+                key = (
+                    "both"
+                    if source == FROM_DRAFTER | FROM_LOOKUP
+                    else "lookup" if source == FROM_LOOKUP else "drafter"
+                )
+                self.accepted_by_source[key] += 1
+            for i, node_i in enumerate(pending.nodes):
+                if node_i > n or parents[node_i] not in on_path:
+                    continue  # not verified, or its parent was rejected
+                depths.append(pending.depths[i])
+                raw.append(pending.raw[i])
+                agreed.append(pending.agreed[i])
+                accepted.append(node_i in on_path)
+        if depths:
+            self.calibration.observe(depths, raw, agreed, accepted)
+            self.num_reached += len(depths)
+            self.num_accepted += sum(accepted)
+
+    def propose(self, input_batch, committed: list[list[int]]) -> None:
+        """This step's lookup trees (:attr:`drafts`), after each request's
+        newly ``committed`` tokens (before vLLM's bookkeeping)."""
+        self.drafts = self.source.propose(input_batch, committed)
+        self.last_tokens = [tokens[-1] if tokens else 0 for tokens in committed]
+        # This step's trees replace theirs (requests out of the batch keep
+        # theirs: the scheduler may still schedule those drafts).
+        for req_id in input_batch.req_ids[: len(committed)]:
+            self.pending.pop(req_id, None)
+
+    def rows(self, excluded: list[int] = ()) -> list[int]:
+        """Batch rows with a lookup tree this step, but ``excluded``."""
+        skip = set(excluded)
+        return [b for b, d in enumerate(self.drafts) if d is not None and b not in skip]
+
+    # ------------------------------------------------------------------ #
+    # Trees
+    # ------------------------------------------------------------------ #
+
+    def _union_tree(
+        self,
+        row: int,
+        root: int,
+        log_probs: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> tuple[UnionTree, np.ndarray, list[bool]]:
+        """Batch row ``row``'s union tree, its lookup nodes' depths and
+        agreement with the drafter; ``log_probs``/``token_ids`` [L, K]
+        (L = 0 without a drafter pass)."""
+        draft = self.drafts[row]
+        depths = np.empty(len(draft.tokens), dtype=np.int64)
+        for i, parent in enumerate(draft.parents):
+            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        num_depths = log_probs.shape[0]
+        candidates = [set(token_ids[d].tolist()) for d in range(num_depths)]
+        agreed = [
+            bool(d <= num_depths and int(t) in candidates[d - 1])
+            for t, d in zip(draft.tokens, depths.tolist(), strict=True)
+        ]
+        calibrated = self.calibration.calibrate(draft, agreed)
+        tree = build_union_tree(
+            log_probs,
+            token_ids,
+            self.budget,
+            root,
+            lookup=calibrated,
+            max_depth=self.budget,
+        )
+        return tree, depths, agreed
+
+    def _remember(
+        self, req_id: str, draft: LookupDraft, tree: UnionTree, depths, agreed
+    ) -> None:
+        nodes = [i for i in range(1, len(tree.tokens)) if tree.lookup_nodes[i] >= 0]
+        self.pending[req_id] = PendingLookupNodes(
+            tokens=tree.tokens[1:],
+            sources=tree.sources[1:],
+            nodes=nodes,
+            depths=[int(depths[tree.lookup_nodes[i]]) for i in nodes],
+            raw=[float(draft.probs[tree.lookup_nodes[i]]) for i in nodes],
+            agreed=[agreed[tree.lookup_nodes[i]] for i in nodes],
+        )
+        self.num_proposed += len(nodes)
+
+    def union_trees(
+        self,
+        req_ids: list[str],
+        tree: DraftTree,
+        candidates: tuple[list[int], torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[DraftTree, list[int]]:
+        """The drafter's trees with each lookup row's replaced by its union
+        tree. ``candidates``: the drafter's top-K (log-probs, target ids) per
+        depth of the lookup rows (``DDTreeProposer.last_lookup_candidates``).
+
+        Returns:
+            The batch's trees (device of ``tree``) and the rows replaced.
+        """
+        if candidates is None:
+            return tree, []
+        rows, log_probs, token_ids = candidates
+        # One device -> host copy of what the host builds from.
+        host = [
+            x.cpu().numpy()
+            for x in (tree.tokens, tree.parents, tree.scores, tree.num_nodes,
+                      log_probs, token_ids)
+        ]  # fmt: skip
+        tokens, parents, scores, counts, log_probs, token_ids = host
+        lists = _rows_of(tokens, parents, scores, counts)
+        for i, b in enumerate(rows):
+            union, depths, agreed = self._union_tree(
+                b, int(tokens[b, 0]), log_probs[i], token_ids[i]
+            )
+            lists[b] = (union.tokens, union.parents, union.log_scores)
+            self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
+        return _to_tree(lists, tree.tokens.device), rows
+
+    def lookup_only_trees(
+        self,
+        req_ids: list[str],
+        roots: list[int],
+        rows: list[int],
+        device,
+        remember: bool = True,
+    ) -> DraftTree:
+        """Trees of lookup nodes alone (no drafter pass this step) for batch
+        ``rows``; every other row gets an empty tree. ``roots``: each row's
+        last committed token; ``remember``: they will be verified (their
+        lookup nodes are read a step later)."""
+        empty = np.zeros((0, 1))
+        lists = [([root], [-1], [0.0]) for root in roots]
+        for b in rows:
+            union, depths, agreed = self._union_tree(
+                b, roots[b], empty, empty.astype(np.int64)
+            )
+            lists[b] = (union.tokens, union.parents, union.log_scores)
+            if remember:
+                self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
+        return _to_tree(lists, device)
+
+    def forget(self, req_ids: list[str]) -> None:
+        """Proposed trees that will not be verified (none sent)."""
+        for req_id in req_ids:
+            self.pending.pop(req_id, None)
+
+    def stats(self) -> str:
+        rate = self.num_accepted / max(self.num_reached, 1)
+        by_source = ", ".join(f"{k} {v}" for k, v in self.accepted_by_source.items())
+        return (
+            f"lookup nodes proposed {self.num_proposed}, reached {self.num_reached}, "
+            f"accepted {self.num_accepted} ({rate:.2f} of reached); accepted nodes "
+            f"of trees with lookup nodes by source: {by_source}"
+        )
+
+
+def _rows_of(tokens, parents, scores, counts):
+    """Per row (tokens, parents, scores) of a host tree's real nodes."""
+    return [
+        (
+            tokens[b, : n + 1].tolist(),
+            parents[b, : n + 1].tolist(),
+            scores[b, : n + 1].tolist(),
+        )
+        for b, n in enumerate(counts.tolist())
+    ]
+
+
+def _to_tree(lists, device) -> DraftTree:
+    """One :class:`DraftTree` of per-row (tokens, parents, log scores)."""
+    parents = [p for _, p, _ in lists]
+    depth = 1
+    for par in parents:
+        d = [0] * len(par)
+        for i in range(1, len(par)):
+            d[i] = d[par[i]] + 1
+        depth = max(depth, max(d))
+    host = tree_from_parents(
+        parents, [t for t, _, _ in lists], max_depth=depth,
+        scores=[s for _, _, s in lists],
+    )  # fmt: skip
+    return tree_to_device(host, torch.device(device))
