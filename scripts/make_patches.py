@@ -108,9 +108,13 @@ ADAPTER_FILES = {
         "draft_trees",
         "grammar_spans",
         "structured_output",
+        "lookup",
+        "lookup_step",
     )
 }
 ADAPTER_FILES["vllm_ddtree/grammar_tree.py"] = f"{INTREE}/grammar_tree.py"
+ADAPTER_FILES["vllm_ddtree/lookup_tree.py"] = f"{INTREE}/lookup_tree.py"
+ADAPTER_FILES["vllm_ddtree/lookup_calibration.py"] = f"{INTREE}/lookup_calibration.py"
 # The auto budget (``ddtree_budget="auto"``) is a commit of its own, after the
 # integration commit: these modules, and the lines of the plugin's modules
 # between whole-line markers BUDGET_BEGIN / BUDGET_END (the integration commit
@@ -169,6 +173,11 @@ TEST_FILES = {
     "tests/test_e2e_architectures.py": f"{TESTS}/test_architectures.py",
     "tests/test_gdn_state.py": f"{TESTS}/test_gdn_state.py",
     "tests/test_e2e_hybrid.py": f"{TESTS}/test_hybrid.py",
+    "tests/test_lookup_tree.py": f"{TESTS}/test_lookup_tree.py",
+    "tests/test_lookup_calibration.py": f"{TESTS}/test_lookup_calibration.py",
+    "tests/test_lookup_sources.py": f"{TESTS}/test_lookup_sources.py",
+    "tests/test_lookup_step.py": f"{TESTS}/test_lookup_step.py",
+    "tests/test_e2e_lookup.py": f"{TESTS}/test_lookup.py",
 }
 DOCS = {"docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md"}
 
@@ -1472,7 +1481,17 @@ Any checkpoint the in-tree `dflash` method loads works unchanged; B =
 `num_speculative_tokens` is the tree node budget. Optional keys:
 `ddtree_max_children` (the paper's per-depth K), `ddtree_draft_len`,
 `ddtree_verify` ("rejection" | "sample_walk"), `ddtree_threshold_single` /
-`ddtree_threshold_acc` (1.0 = exact), `ddtree_kernel_backend`.
+`ddtree_threshold_acc` (1.0 = exact), `ddtree_kernel_backend`, `ddtree_lookup`.
+
+Lookup drafts (`ddtree_lookup`, on by default): each step the worker also asks
+a lookup source for what followed the current context before
+(SuffixDecoding through arctic-inference's `SuffixDecodingCache`, as the
+`suffix` method keeps it, with its `suffix_decoding_*` settings; vLLM's n-gram
+matcher where arctic-inference is not installed) and builds, per request that
+has one, the top-B tree over the union of the drafter's per-depth top-K and the
+lookup tree (a lookup node's probability calibrated online against what the
+target accepted), verified like any tree. Both sampling rules read only the
+target, so lookup nodes are verified exactly.
 
 Design. `"ddtree"` is a value of `SpeculativeConfig.method`, and each option
 is a typed, documented `ddtree_*` field (part of `compute_hash`);

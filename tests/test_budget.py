@@ -448,3 +448,44 @@ def test_grammar_built_trees_are_valued_by_their_grammar_shape():
     assert 0 < price < 1.0 and len(factors) == 8 + 1
     _, log = run(None)
     assert sum(n is not None for n in log) <= 0.15 * len(log), log
+
+
+def _lookup_chain(prob, nodes=4, num_reqs=1):
+    """Lookup-only trees: a chain of ``nodes`` tokens, each with probability
+    ``prob`` given its parent (path probabilities prob, prob^2, ...)."""
+    from vllm_ddtree.tree import tree_from_parents
+
+    parents = [list(range(-1, nodes))] * num_reqs
+    tokens = [[0] + list(range(1, nodes + 1))] * num_reqs
+    scores = [[k * math.log(prob) for k in range(nodes + 1)]] * num_reqs
+    return tree_from_parents(parents, tokens, max_depth=nodes, scores=scores)
+
+
+def test_lookup_only_trees_are_verified_as_far_as_they_pay():
+    """A step without a drafter pass: a sure lookup chain is verified (its
+    nodes cost a row each), an unsure one is not (a plain step beats it), and
+    the request-steps count once in the histogram."""
+    pytest.importorskip("vllm")
+    controller = _controller(per_row=0.002, full=0.004, context=0.0005)
+    controller._skip_left = 2  # the drafter is being skipped
+    for chain, chosen in ((_lookup_chain(0.95), 4), (_lookup_chain(0.02), 0)):
+        assert not controller.draft_next(1)
+        assert controller.choose_lookup_only(chain).tolist() == [chosen]
+    # Each request-step counted once, by the nodes it verified.
+    histogram = controller.chosen_histogram.tolist()
+    assert histogram[4] == 1 and histogram[0] == 1 and sum(histogram) == 2
+
+
+def test_drafting_is_weighed_against_lookup_only_steps():
+    """The drafter's trees pay against plain decoding, but a sure lookup
+    chain without the drafter's pass pays more: the controller stops drafting
+    (its yardstick is the lookup-only step, not the plain one)."""
+    pytest.importorskip("vllm")
+    plain_only = _controller(per_row=0.002, full=0.004, context=0.0005)
+    with_lookup = _controller(per_row=0.002, full=0.004, context=0.0005)
+    sure = _chain_trees(0.6)
+    for _ in range(20):
+        plain_only.choose(sure)
+        with_lookup.choose(sure, lookup_only=_lookup_chain(0.99, nodes=8))
+    assert plain_only.advantage > 1.0
+    assert with_lookup.advantage < 1.0

@@ -67,8 +67,10 @@ def generate(target, spec=None):
 
 
 def auto(drafter):
+    # The drafter's trees alone: these tests read which drafter nodes the
+    # budget keeps (lookup drafts under the auto budget: test_e2e_lookup.py).
     return {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET,
-            "ddtree_budget": "auto"}
+            "ddtree_budget": "auto", "ddtree_lookup": "off"}
 
 
 @pytest.fixture(scope="module")

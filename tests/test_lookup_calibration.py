@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Online calibration of lookup probabilities (``vllm_ddtree/lookup_calibration.py``)
+"""Online calibration of lookup probabilities (``lookup_calibration.py``)
 on synthetic streams with known acceptance rates (fixed seeds)."""
 
 from __future__ import annotations

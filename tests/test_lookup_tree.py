@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The union tree of the drafter's distributions and a lookup tree
-(``vllm_ddtree/lookup_tree.py``) against brute force.
+(``lookup_tree.py``) against brute force.
 
 The oracle scores every token path up to ``max_depth`` with the mixture rule,
 written here path by path (walk the lookup tree along the path; where the path
@@ -101,7 +101,7 @@ def union(q, lookup, budget, max_depth):
     lp, ids = draft_top_k(log_q, min(budget, q.shape[1]))
     depths = {-1: 0}
     shares = []  # the drafter's log q of each lookup token at its depth
-    for i, (token, parent) in enumerate(zip(lookup.tokens, lookup.parents)):
+    for i, (token, parent) in enumerate(zip(lookup.tokens, lookup.parents, strict=True)):
         depths[i] = depths[parent] + 1
         d = depths[i] - 1
         shares.append(math.log(q[d, token]) if d < q.shape[0] else -math.inf)

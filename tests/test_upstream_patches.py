@@ -197,6 +197,8 @@ def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
          "tests/v1/spec_decode/ddtree/test_architectures.py",
          "tests/v1/spec_decode/ddtree/test_gdn_state.py",
          "tests/v1/spec_decode/ddtree/test_hybrid.py",
+         "tests/v1/spec_decode/ddtree/test_lookup_step.py",
+         "tests/v1/spec_decode/ddtree/test_lookup.py",
          "-k", "not (e2e.py or law_matches) or random_drafter_is_lossless or oracle_pair"
                " or siblings or bad_config"],
         cwd=tree, env=env,

@@ -4,9 +4,9 @@
 A lookup source scores its nodes on its own scale: SuffixDecoding's node
 probability is the frequency of a continuation among earlier matches
 (https://arxiv.org/abs/2411.04975), an n-gram match has no score at all. The
-union tree (:mod:`vllm_ddtree.lookup_tree`) puts lookup nodes and the drafter's
-on one scale, the probability that the target emits the node's token once its
-parent is accepted, so each lookup node's raw score is mapped to that
+union tree (:mod:`vllm_ddtree.lookup_tree`) puts lookup nodes and the
+drafter's on one scale, the probability that the target emits the node's token
+once its parent is accepted, so each lookup node's raw score is mapped to that
 probability by what the target did with earlier nodes like it: the same depth,
 the same raw-score bucket, and whether the drafter proposed the same token
 (agreement is evidence). Per bucket, a Beta posterior whose prior mean is the

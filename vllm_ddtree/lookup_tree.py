@@ -23,12 +23,12 @@ Lookup branches may run past the drafter's depth ``L`` (to ``max_depth``), where
 only lookup children exist. Every ``p <= 1``, so scores never increase from a
 node to its children, the top-B set is prefix-closed (DDTree, Prop. 2) and the
 best-first heap of the DDTree reference builds it. Ties break as in
-:mod:`vllm_ddtree.tree`: (-score, depth, parent position in its depth, rank);
-lookup children rank first (by probability), then the drafter's by rank.
+:mod:`vllm_ddtree.tree`: (-score, depth, parent position in its depth,
+rank); lookup children rank first (by probability), then the drafter's by rank.
 
-The tree only decides what is proposed: verification (greedy, and both sampling
-rules of :mod:`vllm_ddtree.verify`) reads the target alone, so any tree is
-lossless.
+The tree only decides what is proposed: verification (greedy, and both
+sampling rules of :mod:`vllm_ddtree.verify`) reads the target alone, so
+any tree is lossless.
 """
 
 from __future__ import annotations

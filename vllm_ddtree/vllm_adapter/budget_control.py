@@ -139,6 +139,9 @@ class BudgetController:
             budget + 1, dtype=torch.int64, device=device
         )
         self._skipped_request_steps = 0
+        # Request-steps of the last draft_next if it skipped (a lookup-only
+        # step then counts them by the nodes it verifies instead).
+        self._last_skipped = 0
         self.num_skipped_steps = 0
         # Running means over drafted batches (weight ``advantage_memory`` on the
         # past, about 1 / (1 - memory) batches): tokens the best prefix commits,
@@ -365,7 +368,9 @@ class BudgetController:
         if skip:
             self.num_skipped_steps += 1
             self._skipped_request_steps += num_reqs
+            self._last_skipped = num_reqs
             return False
+        self._last_skipped = 0
         self._drafted += 1
         if self._drafted % self.full_depth_every == 0 or not self._deepest:
             self.draft_depth = self.max_depth
@@ -454,12 +459,13 @@ class BudgetController:
             return tree.num_nodes  # warming up: what the lookup proposes
         counts, _ = self._lookup_only_choice(tree, context)
         counts = torch.minimum(counts, tree.num_nodes)
-        # Skipped steps count 0 nodes on the host (draft_next); the nodes a
-        # lookup-only step verifies are counted here.
+        # A skipped step's request-steps count as 0 nodes (draft_next); a
+        # lookup-only step's are counted by the nodes it verifies instead.
         self._drafted_histogram.index_add_(
             0, counts, torch.ones_like(counts, dtype=torch.int64)
         )
-        self._skipped_request_steps -= num_reqs
+        self._skipped_request_steps -= min(self._last_skipped, num_reqs)
+        self._last_skipped = 0
         return counts
 
     def choose(

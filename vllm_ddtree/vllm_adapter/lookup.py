@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Lookup sources for DDTree's union trees: what was already said, as drafts.
 
-Two sources, one interface (:meth:`propose`: a :class:`~vllm_ddtree.lookup_tree.
-LookupDraft` or None per request of the input batch, after its newly sampled
-tokens):
+Two sources, one interface (:meth:`propose`: a
+:class:`~vllm_ddtree.lookup_tree.LookupDraft` or None per request of
+the input batch, after its newly sampled tokens):
 
 * :class:`SuffixLookup`: SuffixDecoding (https://arxiv.org/abs/2411.04975)
   through arctic-inference's ``SuffixDecodingCache``, the cache vLLM's

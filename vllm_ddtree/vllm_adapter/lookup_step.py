@@ -11,10 +11,10 @@ Each step, after the target's verification (``DDTreeVerifier.before_propose``):
    (:mod:`.lookup`) for each request's lookup tree, after its new tokens;
 3. with a drafter pass, :meth:`BatchLookup.union_trees` replaces the drafter's
    tree of each request that has a lookup tree by the union tree
-   (:func:`~vllm_ddtree.lookup_tree.build_union_tree`, the drafter's top-K per
-   depth and the calibrated lookup tree, under one node budget); without one
-   (the auto budget skipped the drafter), :meth:`BatchLookup.lookup_only_trees`
-   gives lookup trees alone.
+   (:func:`~vllm_ddtree.lookup_tree.build_union_tree`, the drafter's
+   top-K per depth and the calibrated lookup tree, under one node budget);
+   without one (the auto budget skipped the drafter),
+   :meth:`BatchLookup.lookup_only_trees` gives lookup trees alone.
 
 Trees are built on the host (lookup sources live there) and leave as one
 :class:`~vllm_ddtree.tree.DraftTree` in node order (parents first, best

@@ -465,9 +465,12 @@ class DDTreeVerifier:
         num_reqs = runner.input_batch.num_reqs
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         discarded = runner.discard_request_mask.np[:num_reqs]
+        sampled = sampled_token_ids[:num_reqs]
+        if torch.is_tensor(sampled):  # [R, W] -1 padded; host lists otherwise
+            sampled = sampled.tolist()
         committed = [
             [] if discarded[b] else [t for t in row if t >= 0]
-            for b, row in enumerate(sampled_token_ids[:num_reqs].tolist())
+            for b, row in enumerate(sampled)
         ]
         step = self._step
         if step is not None:
