@@ -489,3 +489,33 @@ def test_drafting_is_weighed_against_lookup_only_steps():
         with_lookup.choose(sure, lookup_only=_lookup_chain(0.99, nodes=8))
     assert plain_only.advantage > 1.0
     assert with_lookup.advantage < 1.0
+
+
+def test_branch_rows_are_charged_per_row():
+    """Dense targets: a tree step costs per branch row (a node off the tree's
+    leading chain: on CPU those rows are recomputed per layer), a chain's rows
+    only as plain rows. Fed steps at 3 ms per branch row, the controller keeps
+    a sure 8-node chain whole, but not the branch rows of a tree of the same
+    node values (a model per tree request alone priced both alike)."""
+    pytest.importorskip("vllm")
+    from vllm_ddtree.tree import tree_from_parents
+
+    c = _controller(per_row=1e-4, full=0.002, context=0.0005)
+    c.track_branch_rows()
+    c.record_step(5, 1.0, 1, 0)  # warm-up
+    for _ in range(20):
+        for reqs, nodes, branch in ((1, 4, 0), (1, 8, 6), (2, 8, 2), (2, 16, 12)):
+            rows = reqs + nodes
+            c.record_step(rows, 0.020 + 1e-4 * rows + 0.002 * reqs + 0.003 * branch,
+                          reqs, branch)
+    assert c.tree_node_cost.slope == pytest.approx(0.003, rel=0.1)
+    chain = _lookup_chain(0.8, nodes=8)
+    # The same path probabilities on a star: every node a child of the root
+    # but the first (7 branch rows).
+    star = tree_from_parents([[-1, 0] + [0] * 7], [list(range(9))], max_depth=2,
+                             scores=chain.scores.tolist())
+    assert c.charged_nodes(chain).sum() == 0 and c.charged_nodes(star).sum() == 7
+    c._drafting = True
+    kept_chain = int(c.choose(chain, lookup_rows="all").sum())
+    kept_star = int(c.choose(star, lookup_rows="all").sum())
+    assert kept_chain == 8 and kept_star < kept_chain, (kept_chain, kept_star)

@@ -99,9 +99,11 @@ def generate(
 
 def ddtree(drafter, budget):
     # "fixed": these tests count tree mechanics (B nodes every step); the auto
-    # budget, the default, has its own tests (test_budget_e2e.py).
+    # budget, the default, has its own tests (test_budget_e2e.py). The
+    # drafter's trees alone: lookup drafts (test_e2e_lookup.py) change which
+    # nodes a tree holds and how deep it goes.
     return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
-            "ddtree_budget": "fixed"}
+            "ddtree_budget": "fixed", "ddtree_lookup": "off"}
 
 
 @pytest.fixture(scope="module")

@@ -230,8 +230,8 @@ def reference(models):
     choose, calls = controller.choose, [0]
     used = [0] * 4
 
-    def trimming_choose(tree, grammar_values=None):
-        counts = choose(tree, grammar_values)
+    def trimming_choose(tree, *args, **kwargs):
+        counts = choose(tree, *args, **kwargs)
         calls[0] += 1
         if calls[0] % 2:
             counts = (counts - 1).clamp(min=0)

@@ -65,8 +65,9 @@ def main():
         for mode in ("plain", "ddtree"):
             spec = None
             if mode == "ddtree":
+                # The drafter's trees (depth <= L) alone: lookup paths may run deeper.
                 spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
-                        "ddtree_budget": "fixed"}
+                        "ddtree_budget": "fixed", "ddtree_lookup": "off"}
             llm = vllm.LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
                            disable_log_stats=False, speculative_config=spec, seed=0)
             outs = llm.generate(prompts, params, use_tqdm=False)

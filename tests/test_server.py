@@ -318,7 +318,9 @@ def test_spec_decode_metrics(setup):
     per_pos = [after.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{p}]", 0.0)
                for p in range(BUDGET)]
     assert sum(per_pos) == after["vllm:spec_decode_num_accepted_tokens_total"]
-    assert sum(per_pos[L:]) == 0, per_pos  # a DDTree path is at most L deep
+    # An accepted path that reaches depth d + 1 reaches d (lookup paths, on by
+    # default, may run past the drafter's L).
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False)), per_pos
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens": -5}, {"temperature": -1.0}])

@@ -38,6 +38,21 @@ __all__ = [
 ]
 
 
+def allocation_order(node_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order in which :func:`allocate_nodes` takes the batch's nodes.
+
+    Returns:
+        ``(values [B * R], order [B * R])``: the node values made
+        non-increasing along each row (running minimum), flattened node-major
+        (index ``node * R + request``), and their stable descending sort:
+        among equal values the earlier node of a request comes first, so the
+        top-k of the batch is a prefix per request.
+    """
+    values = torch.cummin(node_values.float().clamp(min=0.0), dim=1).values
+    flat = values.t().reshape(-1)
+    return flat, torch.sort(flat, descending=True, stable=True).indices
+
+
 def allocate_nodes(
     node_values: torch.Tensor, step_seconds: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,11 +72,7 @@ def allocate_nodes(
     """
     num_reqs, budget = node_values.shape
     device = node_values.device
-    values = torch.cummin(node_values.float().clamp(min=0.0), dim=1).values
-    # Node-major flattening + a stable sort: among equal values the earlier node
-    # of a request comes first, so the top-k of the batch is a prefix per request.
-    flat = values.t().reshape(-1)  # [B * R], index = node * R + request
-    order = torch.sort(flat, descending=True, stable=True).indices
+    flat, order = allocation_order(node_values)
     gains = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)])  # [B * R + 1]
     # For each k the top-k values are the best k nodes; the argmax over k is exact.
     throughput = (num_reqs + gains) / step_seconds.to(device=device, dtype=gains.dtype)

@@ -11,7 +11,10 @@ the target step and in the drafter pass, accepted depths); the controller keeps
   of what a tree step costs beyond a plain step of as many rows, per request
   verifying a tree, by tree requests (tree attention and the verify's
   bookkeeping work per tree: on CPU a recompute per tree and layer, so a model
-  over rows alone read a 16-request tree step at half its measured cost);
+  over rows alone read a 16-request tree step at half its measured cost), and
+  a cost per charged node fitted jointly (``NodeCostModel``): per branch row
+  (a node off its tree's leading chain, the rows the CPU attention recomputes)
+  or, for recurrent targets, per node;
 * drafter cost models: the full DFlash pass (block queries, draft logits
   for ``draft_depth`` positions, trees), by requests, one per depth, and the
   context-only pass (the drafter's context K/V of the new tokens, no drafter
@@ -58,6 +61,7 @@ from vllm_ddtree.budget import (
     NodeCostModel,
     StepCostModel,
     allocate_nodes,
+    allocation_order,
 )
 from vllm_ddtree.tree import DraftTree
 
@@ -97,6 +101,9 @@ class BudgetController:
         # and the CPU path runs one decode call per depth level, work that grows
         # with the nodes, not with the tree requests. None for other targets.
         self.tree_node_cost: NodeCostModel | None = None
+        # Whether every node is charged (recurrent targets) or only branch
+        # rows (:meth:`track_branch_rows`).
+        self.charge_all_nodes = False
         self._tree_warmed_up = False
         # The full pass by requests, one model per draft depth (the drafter's
         # block forward, the same at every depth, plus the LM head over
@@ -239,9 +246,48 @@ class BudgetController:
 
     def track_recurrent_state(self) -> None:
         """The target has recurrent (GDN) layers: tree steps are also charged
-        per draft node (:attr:`tree_node_cost`)."""
+        per draft node (:attr:`tree_node_cost`), every node."""
         if self.tree_node_cost is None:
             self.tree_node_cost = NodeCostModel()
+        self.charge_all_nodes = True
+
+    def track_branch_rows(self) -> None:
+        """Tree steps are also charged per *branch row*: a node off its tree's
+        leading chain (on CPU the attention recomputes exactly those rows per
+        layer; a chain's rows and a tree's leading spine are the stock
+        kernel's). Lookup drafts are often chains, the drafter's trees branch:
+        charged per tree request alone, a 15-node branching tree was priced
+        like a 15-node chain, and read ~20% cheap."""
+        if self.tree_node_cost is None:
+            self.tree_node_cost = NodeCostModel()
+
+    def charged_nodes(self, tree: DraftTree) -> torch.Tensor | None:
+        """[R, B] float: 1 for each node charged per node (every real node of
+        a recurrent target's tree; the branch rows otherwise), or None without
+        a per-node model."""
+        if self.tree_node_cost is None:
+            return None
+        parents = tree.parents[:, 1:]  # [R, B]
+        index = torch.arange(parents.shape[1], device=parents.device)
+        real = index < tree.num_nodes.unsqueeze(1)
+        if self.charge_all_nodes:
+            return real.float()
+        # Node i (column i - 1) is on the leading spine iff every node up to
+        # it is the child of the one before it.
+        spine = torch.cumprod((parents == index).to(torch.int32), dim=1).bool()
+        return (real & ~spine).float()
+
+    def _charged_seconds(self, values: torch.Tensor, tree: DraftTree):
+        """[R * B + 1] (device) the per-node seconds of the best k nodes, k =
+        0 .. R * B, in :func:`allocate_nodes`' order; None without a model."""
+        charged = self.charged_nodes(tree)
+        if charged is None or not self.tree_node_cost.ready:
+            return None
+        _, order = allocation_order(values)
+        cumulative = charged.t().reshape(-1)[order].cumsum(0)
+        return torch.cat([cumulative.new_zeros(1), cumulative]) * float(
+            self.tree_node_cost.slope
+        )
 
     def record_step(
         self,
@@ -289,15 +335,18 @@ class BudgetController:
             return 0.0
         return model.predict(nodes)
 
-    def tree_step_seconds(self, rows, tree_requests: int):
+    def tree_step_seconds(self, rows, tree_requests: int, per_node: bool = True):
         """Predicted seconds of a verify step of ``rows`` rows (a number or an
         array) with ``tree_requests`` requests verifying trees (and ``rows -
-        tree_requests`` draft nodes: the root rows are the requests')."""
+        tree_requests`` draft nodes: the root rows are the requests', all
+        charged per node when ``per_node``; :meth:`choose` charges the nodes
+        of its trees itself)."""
         seconds = self.plain_step_cost.predict(rows)
         if tree_requests:
             nodes = np.maximum(np.asarray(rows) - tree_requests, 0)
             seconds = seconds + self._tree_seconds(tree_requests)
-            seconds = seconds + self._node_seconds(nodes)
+            if per_node:
+                seconds = seconds + self._node_seconds(nodes)
         return seconds
 
     def record_drafter(
@@ -442,11 +491,14 @@ class BudgetController:
         context-only drafter pass after them (k = 0: a plain step)."""
         values = self.node_values(tree, lookup_rows="all")
         rows = tree.num_reqs + np.arange(values.numel() + 1)
-        verify = self.tree_step_seconds(rows, tree.num_reqs)
+        verify = self.tree_step_seconds(rows, tree.num_reqs, per_node=False)
         verify[0] = float(self.plain_step_cost.predict(tree.num_reqs))
         curve = torch_utils.async_tensor_h2d(
             verify + context, device=values.device, dtype=torch.float32
         )
+        charged = self._charged_seconds(values, tree)
+        if charged is not None:
+            curve = curve + charged
         return allocate_nodes(values, curve)
 
     def choose_lookup_only(self, tree: DraftTree) -> torch.Tensor:
@@ -501,7 +553,7 @@ class BudgetController:
         # every request is charged a tree's overhead (an upper bound: some may
         # keep none).
         rows = num_reqs + np.arange(values.numel() + 1)
-        verify = self.tree_step_seconds(rows, num_reqs)
+        verify = self.tree_step_seconds(rows, num_reqs, per_node=False)
         verify[0] = plain_target  # k = 0: no tree
         # Both step-time curves to the device in one pinned, non-blocking copy.
         curves = torch_utils.async_tensor_h2d(
@@ -509,34 +561,54 @@ class BudgetController:
             device=values.device,
             dtype=torch.float32,
         )
+        # Per-node charges of the best k nodes (branch rows, or every node of
+        # a recurrent target), on the device.
+        charged = self._charged_seconds(values, tree)
+        if charged is None:
+            charged = torch.zeros_like(curves[0])
+        curves = curves + charged
         counts, drafting = allocate_nodes(values, curves[0])
         skip_counts, skipping = allocate_nodes(values, curves[1])
         # [s] a step without drafts: plain target step + context-only pass.
         plain_step = plain_target + context
         plain = num_reqs / plain_step
-        if lookup_only is not None:
-            # Without drafter passes the lookup trees are still verified.
-            plain = max(plain, float(self._lookup_only_choice(lookup_only, context)[1]))
+        # Without drafter passes the lookup trees are still verified: what
+        # they commit per second is what drafting is weighed against.
+        lookup_rate = (
+            skipping.new_zeros(())
+            if lookup_only is None
+            else self._lookup_only_choice(lookup_only, context)[1]
+        )
 
         def deepest(n):  # the deepest node among each request's first n[r]
             return torch.where(first < n.unsqueeze(1), node_depths, 0).max()
 
         # One host read for the whole decision (the trees go to the host next
         # anyway, for the scheduler).
-        drafting, skipping, deepest_drafting, deepest_skipping, drafted_nodes = (
-            torch.stack(
-                [
-                    drafting,
-                    skipping,
-                    deepest(counts).float(),
-                    deepest(skip_counts).float(),
-                    counts.sum().float(),
-                ]
-            ).tolist()
-        )
+        drafted_nodes = counts.sum()
+        (
+            drafting,
+            skipping,
+            deepest_drafting,
+            deepest_skipping,
+            drafted_charges,
+            drafted_nodes,
+            lookup_rate,
+        ) = torch.stack(
+            [
+                drafting,
+                skipping,
+                deepest(counts).float(),
+                deepest(skip_counts).float(),
+                charged[drafted_nodes].float(),
+                drafted_nodes.float(),
+                lookup_rate.float(),
+            ]
+        ).tolist()
+        plain = max(plain, lookup_rate)
         deepest_chosen = int(deepest_drafting)
         # This batch as a sample of drafting every step: its best prefix's step.
-        seconds = float(verify[int(drafted_nodes)] + full)
+        seconds = float(verify[int(drafted_nodes)] + drafted_charges + full)
         self._record_advantage(drafting * seconds, seconds, plain * seconds)
         if self._drafting:
             self._drafting = self.advantage >= 1 - self.max_loss

@@ -238,13 +238,20 @@ class BatchLookup:
         if candidates is None:
             return tree, []
         rows, log_probs, token_ids = candidates
-        # One device -> host copy of what the host builds from.
-        host = [
-            x.cpu().numpy()
-            for x in (tree.tokens, tree.parents, tree.scores, tree.num_nodes,
-                      log_probs, token_ids)
-        ]  # fmt: skip
+        # One device -> host copy of what the host builds from, as one float64
+        # vector (exact for token ids < 2**53 and float32 scores).
+        parts = (tree.tokens, tree.parents, tree.scores, tree.num_nodes,
+                 log_probs, token_ids)  # fmt: skip
+        flat = torch.cat([x.double().reshape(-1) for x in parts]).cpu().numpy()
+        host, start = [], 0
+        for x in parts:
+            host.append(flat[start : start + x.numel()].reshape(x.shape))
+            start += x.numel()
         tokens, parents, scores, counts, log_probs, token_ids = host
+        tokens, parents, counts = (
+            tokens.astype(np.int64), parents.astype(np.int64), counts.astype(np.int64)
+        )
+        token_ids = token_ids.astype(np.int64)
         lists = _rows_of(tokens, parents, scores, counts)
         for i, b in enumerate(rows):
             union, depths, agreed = self._union_tree(

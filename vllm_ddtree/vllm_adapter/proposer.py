@@ -256,11 +256,12 @@ class DDTreeProposer(DFlashProposer):
         )
         self._deferred.clear()
         self._deferred_rows = 0
-        # One host sync per flush (the boolean selection), none per step.
+        # One host sync per flush (the committed rows' count), none per step.
+        rows = torch.nonzero(committed).squeeze(1)
         hidden, positions, slots = (
-            hidden[committed],
-            positions[committed],
-            slots[committed],
+            hidden.index_select(0, rows),
+            positions.index_select(0, rows),
+            slots.index_select(0, rows),
         )
         self.model.precompute_and_store_context_kv(
             self.model.combine_hidden_states(hidden), positions, slots

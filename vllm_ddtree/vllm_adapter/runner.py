@@ -177,6 +177,8 @@ class DDTreeVerifier:
             runner = self.runner
             if getattr(runner.drafter, "num_recurrent_layers", 0):
                 self.budget.track_recurrent_state()
+            else:
+                self.budget.track_branch_rows()
             self.budget.profile(runner, min(runner.max_num_tokens, 512))
 
     # <<< auto budget
@@ -205,11 +207,18 @@ class DDTreeVerifier:
         """Start of ``execute_model``: the auto budget times the step from here."""
         if self.budget is not None:
             drafts = scheduler_output.scheduled_spec_decode_tokens.values()
+            if self.budget.charge_all_nodes:
+                charged = sum(len(d) for d in drafts)  # every draft node
+            else:
+                trees = getattr(scheduler_output, "scheduled_draft_trees", None)
+                charged = sum(
+                    _branch_rows(t.parents) for t in (trees or {}).values()
+                )
             self._step_clock = (
                 time.perf_counter(),
                 scheduler_output.total_num_scheduled_tokens,
                 sum(1 for d in drafts if d),  # requests verifying drafts
-                sum(len(d) for d in drafts),  # their draft nodes
+                charged,  # their nodes charged per node
             )
             self._drafter_seconds = 0.0
 
@@ -690,11 +699,17 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
     )
 
     spec = vllm_config.speculative_config
+    defaults = LookupSettings()
     settings = LookupSettings(
-        max_tree_depth=spec.suffix_decoding_max_tree_depth,
-        max_spec_factor=spec.suffix_decoding_max_spec_factor,
-        min_token_prob=spec.suffix_decoding_min_token_prob,
-        max_cached_requests=spec.suffix_decoding_max_cached_requests,
+        **{
+            name: getattr(spec, f"suffix_decoding_{name}", getattr(defaults, name))
+            for name in (
+                "max_tree_depth",
+                "max_spec_factor",
+                "min_token_prob",
+                "max_cached_requests",
+            )
+        },
         max_spec_tokens=ddtree.budget,
     )
     max_model_len = vllm_config.model_config.max_model_len
@@ -712,6 +727,14 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
 
 
 # >>> auto budget
+def _branch_rows(parents: list[int]) -> int:
+    """Nodes of a tree (``parents``, root first) off its leading chain."""
+    spine = 1
+    while spine < len(parents) and parents[spine] == spine - 1:
+        spine += 1
+    return len(parents) - spine
+
+
 def _committed_rows(step: StepTrees, plan: CommitPlan) -> torch.Tensor:
     """[T] bool: the rows of a verify step whose tokens were committed, every
     row but each tree block's rejected tail (its accepted path having been moved
