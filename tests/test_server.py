@@ -33,7 +33,6 @@ psutil = pytest.importorskip("psutil")
 
 MODEL = "tiny"
 BLOCK_SIZE = 5
-L = BLOCK_SIZE - 1
 BUDGET = 8
 MAX_TOKENS = 32
 PROMPTS = [
