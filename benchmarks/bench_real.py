@@ -430,7 +430,8 @@ def report(out_dir: Path, tag: str, info: dict, rows: list[dict], identity: dict
            goals: list[dict]) -> None:
     lines = [f"# Real-model benchmark: DDTree vs DFlash chain vs no speculation ({tag})", "",
              f"Command: `{info['command']}`", "",
-             f"Machine: {info['cpu_model']} ({info['os_cpu_count']} CPUs), torch "
+             f"Machine: {info['cpu_model']} ({info['os_cpu_count']} CPUs; flags "
+             f"{' '.join(info.get('cpu_flags') or ['-'])}), torch "
              f"{info['torch_version']}, {info['date_utc']}, commit {info['git_commit']}.", "",
              info["setup"], "", "## Goals", ""]
     lines += [f"- {g}" for g in goal_lines(goals)]

@@ -41,16 +41,11 @@ MAX_TOKENS = 32
 
 
 def cpu_flags() -> list[str]:
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags |= {
-                    x
-                    for x in line.split(":", 1)[1].split()
-                    if x.startswith(("avx512", "amx"))
-                }
-    return sorted(flags)
+    """AVX-512 and AMX flags only (bench_core.cpu_flags without AVX2)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_core import cpu_flags as all_flags
+
+    return [f for f in all_flags() if f.startswith(("avx512", "amx"))]
 
 
 def run_one(method: str, models: Path, reference: Path | None) -> dict:

@@ -712,7 +712,8 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
         },
         max_spec_tokens=ddtree.budget,
     )
-    max_model_len = vllm_config.model_config.max_model_len
+    model_config = getattr(vllm_config, "model_config", None)
+    max_model_len = getattr(model_config, "max_model_len", 1 << 30)
     if ddtree.lookup == "ngram":
         source = NgramLookup(settings, max_model_len)
     else:  # "suffix"; "auto" is resolved at start-up (config.resolve_lookup)
