@@ -83,9 +83,7 @@ class LookupCalibration:
         n = len(draft.tokens)
         if n == 0:
             return draft
-        depths = np.empty(n, dtype=np.int64)
-        for i, parent in enumerate(draft.parents):
-            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        depths = draft.depths()
         agreed = np.zeros(n, dtype=bool) if agreed is None else np.asarray(agreed)
         probs = self.probability(depths, draft.probs, agreed)
         parents = np.asarray(draft.parents, dtype=np.int64)

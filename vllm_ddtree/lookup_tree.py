@@ -97,6 +97,13 @@ class LookupDraft:
                 f"lookup children's probabilities sum past 1 under parents {over}"
             )
 
+    def depths(self) -> np.ndarray:
+        """[n] int64 each node's depth (a child of the root: 1)."""
+        depths = np.empty(len(self.tokens), dtype=np.int64)
+        for i, parent in enumerate(self.parents):
+            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        return depths
+
     def children(self) -> dict[int, list[int]]:
         """Lookup children of each lookup node (-1: the root), most probable
         first (index order on ties)."""

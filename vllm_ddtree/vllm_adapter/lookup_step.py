@@ -40,7 +40,7 @@ from vllm_ddtree.lookup_tree import (
     build_union_tree,
 )
 from vllm_ddtree.tree import DraftTree, tree_from_parents
-from vllm_ddtree.vllm_adapter.step import tree_to_device
+from vllm_ddtree.vllm_adapter.step import max_depth, tree_to_device
 
 __all__ = ["BatchLookup", "PendingLookupNodes"]
 
@@ -188,9 +188,7 @@ class BatchLookup:
         agreement with the drafter; ``log_probs``/``token_ids`` [L, K]
         (L = 0 without a drafter pass)."""
         draft = self.drafts[row]
-        depths = np.empty(len(draft.tokens), dtype=np.int64)
-        for i, parent in enumerate(draft.parents):
-            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        depths = draft.depths()
         num_depths = log_probs.shape[0]
         candidates = [set(token_ids[d].tolist()) for d in range(num_depths)]
         agreed = [
@@ -314,14 +312,8 @@ def _rows_of(tokens, parents, scores, counts):
 def _to_tree(lists, device) -> DraftTree:
     """One :class:`DraftTree` of per-row (tokens, parents, log scores)."""
     parents = [p for _, p, _ in lists]
-    depth = 1
-    for par in parents:
-        d = [0] * len(par)
-        for i in range(1, len(par)):
-            d[i] = d[par[i]] + 1
-        depth = max(depth, max(d))
     host = tree_from_parents(
-        parents, [t for t, _, _ in lists], max_depth=depth,
+        parents, [t for t, _, _ in lists], max_depth=max(max_depth(parents), 1),
         scores=[s for _, _, s in lists],
     )  # fmt: skip
     return tree_to_device(host, torch.device(device))

@@ -20,7 +20,7 @@ from vllm.utils import torch_utils
 from vllm_ddtree.tree import DraftTree, tree_from_parents
 from vllm_ddtree.vllm_adapter.draft_trees import ScheduledDraftTree, chain_parents
 
-__all__ = ["StepTrees", "build_step_trees", "tree_to_device"]
+__all__ = ["StepTrees", "build_step_trees", "max_depth", "tree_to_device"]
 
 
 @dataclass
@@ -100,7 +100,7 @@ def build_step_trees(
         tokens.append([root_tokens[b]] + drafts)
         num_drafts.append(n)
         starts.append(query_end[b] - n - 1)
-    depth = _max_depth(parents)
+    depth = max_depth(parents)
     host_tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1))
     rows = host_tree.num_rows
     # Verify rows: each request's n_r + 1 rows, request after request.
@@ -132,7 +132,8 @@ def tree_to_device(tree: DraftTree, device: torch.device) -> DraftTree:
     return DraftTree(max_depth=tree.max_depth, **fields)
 
 
-def _max_depth(parents: list[list[int]]) -> int:
+def max_depth(parents: list[list[int]]) -> int:
+    """The deepest node over per-request parent lists (root first)."""
     best = 0
     for par in parents:
         depth = [0] * len(par)
