@@ -11,7 +11,20 @@ import random
 import pytest
 import torch
 
-from vllm_ddtree.budget import AcceptanceCalibration, StepCostModel, allocate_nodes
+from vllm_ddtree.budget import (
+    AcceptanceCalibration,
+    StepCostModel,
+    allocate_nodes,
+    allocate_nodes_host,
+)
+
+
+def allocate_on_host(values, step_seconds):
+    """allocate_nodes_host (numpy) behind allocate_nodes' torch signature."""
+    counts, thr = allocate_nodes_host(
+        values.double().numpy(), step_seconds.double().numpy()
+    )
+    return torch.from_numpy(counts), torch.tensor(thr)
 
 
 def brute_force(values, cost):
@@ -55,14 +68,15 @@ def random_cost(rng, max_rows):
     return lambda rows: steps[rows]
 
 
+@pytest.mark.parametrize("allocate", [allocate_nodes, allocate_on_host])
 @pytest.mark.parametrize("seed", range(40))
-def test_allocation_is_the_exact_optimum(seed):
+def test_allocation_is_the_exact_optimum(seed, allocate):
     rng = random.Random(seed)
     num_reqs, budget = rng.randint(1, 3), rng.randint(1, 4)
     values = non_increasing(rng, num_reqs, budget)
     cost = random_cost(rng, num_reqs * (budget + 1))
     want_thr, want_counts = brute_force(values, cost)
-    counts, thr = allocate_nodes(values, seconds(cost, num_reqs, budget))
+    counts, thr = allocate(values, seconds(cost, num_reqs, budget))
     assert thr.item() == pytest.approx(want_thr, rel=1e-5)
     # The chosen counts reach that optimum (ties between choices may differ).
     gain = sum(float(values[r, :n].sum()) for r, n in enumerate(counts.tolist()))
@@ -70,35 +84,38 @@ def test_allocation_is_the_exact_optimum(seed):
     assert got == pytest.approx(want_thr, rel=1e-5), (counts, want_counts)
 
 
-def test_allocation_extremes():
+@pytest.mark.parametrize("allocate", [allocate_nodes, allocate_on_host])
+def test_allocation_extremes(allocate):
     values = torch.tensor([[0.99, 0.98, 0.97], [0.01, 0.0, 0.0]])
     # Rows nearly free: take every node with value; costly rows: take none.
-    counts, _ = allocate_nodes(values, seconds(affine(100.0, 1e-3), 2, 3))
+    counts, _ = allocate(values, seconds(affine(100.0, 1e-3), 2, 3))
     assert counts.tolist() == [3, 1]
-    counts, thr = allocate_nodes(values, seconds(affine(1.0, 100.0), 2, 3))
+    counts, thr = allocate(values, seconds(affine(1.0, 100.0), 2, 3))
     assert counts.tolist() == [0, 0]
     assert thr.item() == pytest.approx(2 / (1 + 100 * 2))
     # A confident request gets a large tree and a lost one none.
-    counts, _ = allocate_nodes(values, seconds(affine(20.0, 1.0), 2, 3))
+    counts, _ = allocate(values, seconds(affine(20.0, 1.0), 2, 3))
     assert counts.tolist() == [3, 0]
 
 
-def test_allocation_sees_past_a_costly_first_row():
+@pytest.mark.parametrize("allocate", [allocate_nodes, allocate_on_host])
+def test_allocation_sees_past_a_costly_first_row(allocate):
     """A concave cost (the first extra rows dear, later ones cheap): one node
     does not pay but three do, which a stop-at-the-first-loss rule misses."""
     values = torch.tensor([[0.5, 0.45, 0.45]])
     cost = [10.0, 10.0, 20.0, 20.5, 21.0]  # by rows: 1 row 10, 2 rows 20, ...
-    counts, _ = allocate_nodes(values, seconds(lambda r: cost[r], 1, 3))
+    counts, _ = allocate(values, seconds(lambda r: cost[r], 1, 3))
     assert counts.tolist() == [3]
 
 
-def test_allocation_keeps_prefixes_when_values_rise():
+@pytest.mark.parametrize("allocate", [allocate_nodes, allocate_on_host])
+def test_allocation_keeps_prefixes_when_values_rise(allocate):
     """Calibrated values may rise along a request's node order: they are made
     non-increasing, so a later node is never taken without the ones before it."""
     values = torch.tensor([[0.1, 0.9, 0.9]])
-    counts, _ = allocate_nodes(values, seconds(affine(10.0, 0.05), 1, 3))
+    counts, _ = allocate(values, seconds(affine(10.0, 0.05), 1, 3))
     assert counts.tolist() == [3]
-    counts, _ = allocate_nodes(values, seconds(affine(1.0, 0.2), 1, 3))
+    counts, _ = allocate(values, seconds(affine(1.0, 0.2), 1, 3))
     assert counts.tolist() == [0]
 
 
@@ -461,6 +478,20 @@ def _lookup_chain(prob, nodes=4, num_reqs=1):
     return tree_from_parents(parents, tokens, max_depth=nodes, scores=scores)
 
 
+def _host_tree(tree):
+    """A DraftTree's rows as the host trees lookup-only steps are chosen on."""
+    from vllm_ddtree.lookup_tree import UnionTree
+
+    out = []
+    for b in range(tree.num_reqs):
+        n = int(tree.num_nodes[b]) + 1
+        out.append(UnionTree(
+            tokens=tree.tokens[b, :n].tolist(), parents=tree.parents[b, :n].tolist(),
+            depths=tree.depths[b, :n].tolist(), log_scores=tree.scores[b, :n].tolist(),
+            sources=[0] * n))  # fmt: skip
+    return out
+
+
 def test_lookup_only_trees_are_verified_as_far_as_they_pay():
     """A step without a drafter pass: a sure lookup chain is verified (its
     nodes cost a row each), an unsure one is not (a plain step beats it), and
@@ -470,7 +501,7 @@ def test_lookup_only_trees_are_verified_as_far_as_they_pay():
     controller._skip_left = 2  # the drafter is being skipped
     for chain, chosen in ((_lookup_chain(0.95), 4), (_lookup_chain(0.02), 0)):
         assert not controller.draft_next(1)
-        assert controller.choose_lookup_only(chain).tolist() == [chosen]
+        assert controller.choose_lookup_only(_host_tree(chain)) == [chosen]
     # Each request-step counted once, by the nodes it verified.
     histogram = controller.chosen_histogram.tolist()
     assert histogram[4] == 1 and histogram[0] == 1 and sum(histogram) == 2
@@ -486,7 +517,7 @@ def test_drafting_is_weighed_against_lookup_only_steps():
     sure = _chain_trees(0.6)
     for _ in range(20):
         plain_only.choose(sure)
-        with_lookup.choose(sure, lookup_only=_lookup_chain(0.99, nodes=8))
+        with_lookup.choose(sure, lookup_only=_host_tree(_lookup_chain(0.99, nodes=8)))
     assert plain_only.advantage > 1.0
     assert with_lookup.advantage < 1.0
 
@@ -516,6 +547,12 @@ def test_branch_rows_are_charged_per_row():
                              scores=chain.scores.tolist())
     assert c.charged_nodes(chain).sum() == 0 and c.charged_nodes(star).sum() == 7
     c._drafting = True
-    kept_chain = int(c.choose(chain, lookup_rows="all").sum())
-    kept_star = int(c.choose(star, lookup_rows="all").sum())
+    every_row = torch.tensor([0])
+    kept_chain = int(c.choose(chain, lookup_rows=every_row).sum())
+    kept_star = int(c.choose(star, lookup_rows=every_row).sum())
+    assert kept_chain == 8 and kept_star < kept_chain, (kept_chain, kept_star)
+    # The same on the host, for lookup-only trees.
+    kept_chain, kept_star = (
+        c.choose_lookup_only(_host_tree(t))[0] for t in (chain, star)
+    )
     assert kept_chain == 8 and kept_star < kept_chain, (kept_chain, kept_star)

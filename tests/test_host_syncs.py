@@ -71,6 +71,9 @@ def host_buffers(runner):
                 host.append(value.cpu)
                 pinned.append(value.cpu)
     host.append(runner.ddtree._visibility)
+    budget = runner.ddtree.budget
+    if budget is not None:  # the lookup trees' calibration lives on the host
+        host += [budget.lookup_calibration.predicted, budget.lookup_calibration.accepted]
     for value in vars(runner.ddtree).values():
         if isinstance(value, CpuGpuBuffer):
             host.append(value.cpu)

@@ -29,13 +29,22 @@ class FixedSource:
         self.drafts = drafts
         self.calls = []
 
-    def propose(self, input_batch, committed):
+    def propose(self, input_batch, committed, skip=frozenset()):
         self.calls.append([list(c) for c in committed])
-        return list(self.drafts)
+        return [None if b in skip else d for b, d in enumerate(self.drafts)]
 
 
 def batch(req_ids):
     return SimpleNamespace(req_ids=list(req_ids))
+
+
+def lookup_only(lookup, req_ids, rows, num_nodes=None):
+    """This step's lookup-only trees of ``rows``, cut to ``num_nodes`` per
+    row (None: whole), as verified (their nodes remembered)."""
+    unions = lookup.lookup_only_unions(lookup.last_tokens, rows)
+    if num_nodes is None:
+        num_nodes = [0 if u is None else u[0].num_nodes for u in unions]
+    return lookup.lookup_only_trees(req_ids, unions, num_nodes, "cpu")
 
 
 def drafter_trees(num_reqs, seed=0):
@@ -86,14 +95,20 @@ def test_a_verified_step_teaches_the_calibration():
     draft = LookupDraft([31, 32, 33, 41], [-1, 0, 1, -1], [0.5, 0.5, 0.5, 0.25])
     lookup = BatchLookup(FixedSource([draft]), BUDGET)
     lookup.propose(batch(["a"]), [[7]])
-    tree = lookup.lookup_only_trees(["a"], [7], [0], "cpu")
+    tree = lookup_only(lookup, ["a"], [0])
     n = int(tree.num_nodes[0])
     parents = tree.parents[0, : n + 1].tolist()
     tokens = tree.tokens[0, : n + 1].tolist()
     assert sorted(tokens[1:]) == [31, 32, 33, 41]
     # The target accepted 31 and 32, then said 99 (33 rejected); 41 was
     # reached (a child of the root) and rejected.
-    lookup.observe(["a"], [parents], [tokens], [n], [[31, 32, 99]])
+    probs, depths, accepted = lookup.observe(
+        ["a"], [parents], [tokens], [n], [[31, 32, 99]]
+    )
+    # What the auto budget calibrates the tree by: every verified node's path
+    # probability and depth, and the accepted path's length.
+    assert accepted == [2] and sorted(depths[0]) == [1, 1, 2, 3]
+    assert np.allclose(probs[0], tree.scores[0, 1 : n + 1].exp().tolist())
     assert lookup.num_reached == 4  # 31, 41 (root's children), 32, 33
     assert lookup.num_accepted == 2
     assert lookup.accepted_by_source == {"drafter": 0, "lookup": 2, "both": 0}
@@ -108,7 +123,7 @@ def test_only_the_proposed_tree_is_read():
     draft = LookupDraft([31, 32], [-1, 0], [0.5, 0.5])
     lookup = BatchLookup(FixedSource([draft]), BUDGET)
     lookup.propose(batch(["a"]), [[7]])
-    tree = lookup.lookup_only_trees(["a"], [7], [0], "cpu")
+    tree = lookup_only(lookup, ["a"], [0])
     parents = tree.parents[0, :3].tolist()
     # The scheduler sent other drafts (a chain of other tokens): not ours.
     assert lookup.union_rows(["a"], [parents], [[7, 50, 51]], [2]) == [False]
@@ -118,18 +133,23 @@ def test_only_the_proposed_tree_is_read():
     assert lookup.union_rows(["a"], [[-1, 0]], [[7, 31]], [1]) == [True]
 
 
-def test_a_yardstick_tree_is_not_remembered():
-    draft = LookupDraft([31], [-1], [0.5])
+def test_only_verified_lookup_nodes_are_remembered():
+    draft = LookupDraft([31, 32, 33], [-1, 0, 1], [0.9, 0.8, 0.7])
     lookup = BatchLookup(FixedSource([draft]), BUDGET)
     lookup.propose(batch(["a"]), [[7]])
-    lookup.lookup_only_trees(["a"], [7], [0], "cpu", remember=False)
+    # A yardstick (not verified) is not remembered; a tree cut to nothing is
+    # not sent at all.
+    lookup.lookup_only_unions(lookup.last_tokens, [0])
+    assert lookup_only(lookup, ["a"], [0], num_nodes=[0]) is None
     assert not lookup.pending and lookup.num_proposed == 0
-    lookup.lookup_only_trees(["a"], [7], [0], "cpu")
-    assert set(lookup.pending) == {"a"} and lookup.num_proposed == 1
+    # A tree cut to its first two nodes: those are remembered, not the third.
+    tree = lookup_only(lookup, ["a"], [0], num_nodes=[2])
+    assert tree.tokens[0, :3].tolist() == [7, 31, 32] and int(tree.num_nodes[0]) == 2
+    assert lookup.pending["a"].tokens == [31, 32] and lookup.num_proposed == 2
     # The next step's proposal replaces it; a finished request is forgotten.
     lookup.propose(batch(["a"]), [[31]])
     assert not lookup.pending
-    lookup.lookup_only_trees(["a"], [31], [0], "cpu")
+    lookup_only(lookup, ["a"], [0])
     lookup.forget(["a"])
     assert not lookup.pending
 
@@ -166,3 +186,36 @@ def test_union_trees_keep_the_budget_and_node_order(seed):
         assert bool((scores[1:] <= scores[:-1] + 1e-6).all())
         pending = lookup.pending[["a", "b"][b]]
         assert all(pending.sources[i - 1] & FROM_LOOKUP for i in pending.nodes)
+
+
+def test_requests_whose_lookup_trees_are_never_kept_back_off():
+    """Lookup-only trees the auto budget keeps no node of: the request's next
+    trees come after 1, then 3, ... skipped steps (its tokens still reach the
+    source every step); a kept tree starts it over. Another request is not
+    affected."""
+    draft = LookupDraft([31], [-1], [0.5])
+    source = FixedSource([draft, draft])
+    lookup = BatchLookup(source, BUDGET)
+    req_ids = ["a", "b"]
+
+    def step(kept_a):
+        lookup.propose(batch(req_ids), [[7], [8]])
+        built = [d is not None for d in lookup.drafts]
+        rows = lookup.rows()
+        lookup.note_lookup_only_choice(
+            req_ids, rows, [kept_a if b == 0 else 1 for b in range(2)]
+        )
+        return built[0], built[1]
+
+    built = [step(kept_a=0) for _ in range(8)]
+    # a: built, missed -> wait 1; built, missed -> wait 3; built ...
+    assert [a for a, _ in built] == [True, False, True, False, False, False, True, False]
+    assert all(b for _, b in built)
+    assert len(source.calls) == 8  # every step's tokens reached the source
+    # A kept tree resets the back-off: built again the next step.
+    while not step(kept_a=0)[0]:
+        pass
+    lookup.note_lookup_only_choice(req_ids, [0], [2, 0])
+    assert step(kept_a=1)[0] and step(kept_a=1)[0]
+    lookup.forget(["a"])
+    assert "a" not in lookup._backoff

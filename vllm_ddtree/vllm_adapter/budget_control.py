@@ -61,8 +61,11 @@ from vllm_ddtree.budget import (
     NodeCostModel,
     StepCostModel,
     allocate_nodes,
+    allocate_nodes_host,
     allocation_order,
+    allocation_order_host,
 )
+from vllm_ddtree.lookup_tree import UnionTree
 from vllm_ddtree.tree import DraftTree
 
 __all__ = ["BudgetController", "StepPrices"]
@@ -120,8 +123,10 @@ class BudgetController:
         # Trees holding lookup nodes (union trees, lookup-only trees): their
         # lookup nodes' probabilities are calibrated already (by the lookup's
         # own calibration), and lookup paths run past the drafter's depth (up
-        # to B deep), so they are calibrated apart too.
-        self.lookup_calibration = AcceptanceCalibration(budget, device)
+        # to B deep), so they are calibrated apart too. On the host, as the
+        # lookup trees are: fed from the committed tokens the lookup reads
+        # anyway (:meth:`observe_lookup_trees`), read without a device sync.
+        self.lookup_calibration = AcceptanceCalibration(budget, "cpu")
         # This step's price of a node in expected accepted tokens (the chosen
         # step's throughput times a node's marginal seconds): the scheduler
         # keeps a grammar-built tree's nodes worth at least that.
@@ -146,6 +151,8 @@ class BudgetController:
             budget + 1, dtype=torch.int64, device=device
         )
         self._skipped_request_steps = 0
+        # [B + 1] request-steps of lookup-only steps by nodes verified (host).
+        self._lookup_only_histogram = np.zeros(budget + 1, dtype=np.int64)
         # Request-steps of the last draft_next if it skipped (a lookup-only
         # step then counts them by the nodes it verifies instead).
         self._last_skipped = 0
@@ -370,6 +377,7 @@ class BudgetController:
         """[B + 1] int64 request-steps that got 0, 1, ..., B nodes (a new tensor;
         context-only steps count as 0)."""
         histogram = self._drafted_histogram.clone()
+        histogram += torch.from_numpy(self._lookup_only_histogram).to(histogram.device)
         histogram[0] += self._skipped_request_steps
         return histogram
 
@@ -440,22 +448,23 @@ class BudgetController:
     ) -> torch.Tensor:
         """[R, B] calibrated expected accepted tokens of ``tree``'s nodes;
         ``grammar_values`` as in :meth:`choose`, ``lookup_rows`` [Rl] (device)
-        the rows whose trees hold lookup nodes (None: none; ``"all"``: every
-        row)."""
+        the rows whose trees hold lookup nodes (None: none)."""
         nodes = tree.scores[:, 1:]  # [R, B] log path probabilities
         first = torch.arange(nodes.shape[1], device=nodes.device)  # [B]
         probs = torch.where(first < tree.num_nodes.unsqueeze(1), nodes.exp(), 0.0)
         depths = tree.depths[:, 1:]
-        if isinstance(lookup_rows, str):
-            return self.lookup_calibration.node_values(probs, depths)
         values = self.calibration.node_values(probs, depths)
         if lookup_rows is not None:
+            lookup_factors = torch_utils.async_tensor_h2d(
+                self.lookup_calibration.factors(), device=probs.device
+            )
             values = values.index_copy(
                 0,
                 lookup_rows,
                 self.lookup_calibration.node_values(
                     probs.index_select(0, lookup_rows),
                     depths.index_select(0, lookup_rows),
+                    lookup_factors,
                 ),
             )
         if grammar_values is not None:
@@ -483,49 +492,95 @@ class BudgetController:
         plain = float(self.plain_step_cost.predict(num_reqs))
         return StepPrices(values, full, context, plain)
 
-    def _lookup_only_choice(
-        self, tree: DraftTree, context: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(nodes per request [R], expected committed tokens per second) of
-        the best prefixes of lookup-only trees ``tree`` verified with a
-        context-only drafter pass after them (k = 0: a plain step)."""
-        values = self.node_values(tree, lookup_rows="all")
-        rows = tree.num_reqs + np.arange(values.numel() + 1)
-        verify = self.tree_step_seconds(rows, tree.num_reqs, per_node=False)
-        verify[0] = float(self.plain_step_cost.predict(tree.num_reqs))
-        curve = torch_utils.async_tensor_h2d(
-            verify + context, device=values.device, dtype=torch.float32
+    def observe_lookup_trees(
+        self,
+        path_probs: list[list[float]],
+        depths: list[list[int]],
+        num_accepted: list[int],
+    ) -> None:
+        """What the target accepted of the verified trees that held lookup
+        nodes (host lists, one entry per such tree): each tree's verified
+        nodes' path probabilities and depths, and how deep its accepted path
+        went."""
+        if not path_probs:
+            return
+        width = max(len(p) for p in path_probs)
+        probs = np.zeros((len(path_probs), width), dtype=np.float32)
+        node_depths = np.zeros((len(path_probs), width), dtype=np.int64)
+        for r, (p, d) in enumerate(zip(path_probs, depths, strict=True)):
+            probs[r, : len(p)] = p
+            node_depths[r, : len(d)] = d
+        self.lookup_calibration.update(
+            torch.from_numpy(probs),
+            torch.from_numpy(node_depths),
+            torch.from_numpy(node_depths > 0),
+            torch.tensor(num_accepted),
         )
-        charged = self._charged_seconds(values, tree)
-        if charged is not None:
-            curve = curve + charged
-        return allocate_nodes(values, curve)
 
-    def choose_lookup_only(self, tree: DraftTree) -> torch.Tensor:
-        """[R] nodes to keep per request of lookup-only trees (a step whose
-        drafter pass was skipped): the prefixes that beat a plain step, or
-        none."""
-        num_reqs = tree.num_reqs
+    def _lookup_only_choice(
+        self, trees: list[UnionTree | None], context: float
+    ) -> tuple[np.ndarray, float]:
+        """(nodes per request [R], expected committed tokens per second) of
+        the best prefixes of lookup-only trees ``trees`` (None: a request
+        without one) verified with a context-only drafter pass after them (k
+        = 0: a plain step). On the host, where the trees are built: the
+        choice comes before their one copy to the device."""
+        num_reqs = len(trees)
+        width = max((t.num_nodes for t in trees if t is not None), default=0)
+        values = np.zeros((num_reqs, width))  # [R, B]
+        charged = np.zeros((num_reqs, width))  # [R, B]
+        factors = self.lookup_calibration.factors().numpy()  # [B + 1]
+        for r, tree in enumerate(trees):
+            n = 0 if tree is None else tree.num_nodes
+            if not n:
+                continue
+            depths = np.minimum(tree.depths[1:], factors.shape[0] - 1)
+            values[r, :n] = np.minimum(
+                np.exp(tree.log_scores[1:]) * factors[depths], 1.0
+            )
+            charged[r, :n] = self._charged_host(tree.parents)
+        rows = num_reqs + np.arange(values.size + 1)
+        curve = self.tree_step_seconds(rows, num_reqs, per_node=False) + context
+        curve[0] = float(self.plain_step_cost.predict(num_reqs)) + context
+        if self.tree_node_cost is not None and self.tree_node_cost.ready:
+            _, order = allocation_order_host(values)
+            flat_charged = charged.T.reshape(-1)[order]
+            curve[1:] += np.cumsum(flat_charged) * self.tree_node_cost.slope
+        return allocate_nodes_host(values, curve)
+
+    def _charged_host(self, parents: list[int]) -> np.ndarray:
+        """[n] :meth:`charged_nodes` of one host tree (``parents``, root
+        first): every node, or the nodes off its leading chain."""
+        n = len(parents) - 1
+        if self.charge_all_nodes:
+            return np.ones(n)
+        spine = np.cumprod(np.asarray(parents[1:]) == np.arange(n))
+        return 1.0 - spine
+
+    def choose_lookup_only(self, trees: list[UnionTree | None]) -> list[int]:
+        """Nodes to keep per request of lookup-only trees (a step whose
+        drafter pass was skipped; None: a request without one): the prefixes
+        that beat a plain step, or none."""
+        num_reqs = len(trees)
+        sizes = [0 if t is None else t.num_nodes for t in trees]
         context = self.context_drafter_cost.estimate(num_reqs)
         if not self.plain_step_cost.ready or context is None:
-            return tree.num_nodes  # warming up: what the lookup proposes
-        counts, _ = self._lookup_only_choice(tree, context)
-        counts = torch.minimum(counts, tree.num_nodes)
+            return sizes  # warming up: what the lookup proposes
+        counts, _ = self._lookup_only_choice(trees, context)
+        counts = np.minimum(counts, sizes)
         # A skipped step's request-steps count as 0 nodes (draft_next); a
         # lookup-only step's are counted by the nodes it verifies instead.
-        self._drafted_histogram.index_add_(
-            0, counts, torch.ones_like(counts, dtype=torch.int64)
-        )
+        np.add.at(self._lookup_only_histogram, counts, 1)
         self._skipped_request_steps -= min(self._last_skipped, num_reqs)
         self._last_skipped = 0
-        return counts
+        return counts.tolist()
 
     def choose(
         self,
         tree: DraftTree,
         grammar_values=None,
         lookup_rows=None,
-        lookup_only: DraftTree | None = None,
+        lookup_only: list[UnionTree | None] | None = None,
     ) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree).
 
@@ -575,7 +630,7 @@ class BudgetController:
         # Without drafter passes the lookup trees are still verified: what
         # they commit per second is what drafting is weighed against.
         lookup_rate = (
-            skipping.new_zeros(())
+            0.0
             if lookup_only is None
             else self._lookup_only_choice(lookup_only, context)[1]
         )
@@ -593,7 +648,6 @@ class BudgetController:
             deepest_skipping,
             drafted_charges,
             drafted_nodes,
-            lookup_rate,
         ) = torch.stack(
             [
                 drafting,
@@ -602,7 +656,6 @@ class BudgetController:
                 deepest(skip_counts).float(),
                 charged[drafted_nodes].float(),
                 drafted_nodes.float(),
-                lookup_rate.float(),
             ]
         ).tolist()
         plain = max(plain, lookup_rate)

@@ -90,7 +90,7 @@ class SuffixLookup:
         )
 
     def propose(
-        self, input_batch, sampled_token_ids: list[list[int]]
+        self, input_batch, sampled_token_ids: list[list[int]], skip=frozenset()
     ) -> list[LookupDraft | None]:
         """One lookup tree (or None) per request of ``input_batch``.
 
@@ -100,6 +100,8 @@ class SuffixLookup:
                 step).
             sampled_token_ids: per batch row, the tokens this step committed
                 (empty for a prompt chunk or a discarded row).
+            skip: batch rows that get no tree this step (their tokens are
+                still learned).
 
         The cache learns each request's new tokens; requests no longer in the
         batch are stopped (their responses join the cross-request memory).
@@ -111,9 +113,8 @@ class SuffixLookup:
                 drafts.append(None)  # a prompt chunk: nothing committed
                 continue
             req_id = input_batch.req_ids[i]
-            history = _history(input_batch, i, sampled)
-            num_tokens = history.shape[0]
             if req_id not in cache.active_requests:
+                history = _history(input_batch, i, sampled)
                 if req_id in cache.cached_requests:
                     cache.evict_cached_response(req_id)
                 num_prompt = int(input_batch.num_prompt_tokens[i])
@@ -123,13 +124,14 @@ class SuffixLookup:
                 cache.add_active_response(req_id, history[num_prompt:].tolist())
             else:
                 cache.add_active_response(req_id, list(sampled))
+            num_tokens = int(input_batch.num_tokens_no_spec[i]) + len(sampled)
             room = self.max_model_len - num_tokens - 1
-            if room < 1:
+            if room < 1 or i in skip:
                 drafts.append(None)
                 continue
             draft = cache.speculate(
                 req_id,
-                history[max(0, num_tokens - settings.max_tree_depth) :],
+                _history(input_batch, i, sampled, settings.max_tree_depth),
                 max_spec_tokens=min(settings.max_spec_tokens, room),
                 max_spec_factor=settings.max_spec_factor,
                 min_token_prob=settings.min_token_prob,
@@ -141,13 +143,20 @@ class SuffixLookup:
         return drafts
 
 
-def _history(input_batch, row: int, sampled: list[int]) -> np.ndarray:
-    """[n] int32: the row's committed tokens, this step's included."""
+def _history(
+    input_batch, row: int, sampled: list[int], last: int | None = None
+) -> np.ndarray:
+    """[n] int32: the row's committed tokens, this step's included (the
+    ``last`` ones only, when given)."""
     committed = int(input_batch.num_tokens_no_spec[row])
+    start = 0 if last is None else max(0, committed + len(sampled) - last)
     return np.concatenate(
         [
-            np.asarray(input_batch.token_ids_cpu[row, :committed], dtype=np.int32),
-            np.asarray(sampled, dtype=np.int32),
+            np.asarray(
+                input_batch.token_ids_cpu[row, min(start, committed) : committed],
+                dtype=np.int32,
+            ),
+            np.asarray(sampled, dtype=np.int32)[max(0, start - committed) :],
         ]
     )
 
@@ -181,13 +190,13 @@ class NgramLookup:
         self.max_model_len = max_model_len
 
     def propose(
-        self, input_batch, sampled_token_ids: list[list[int]]
+        self, input_batch, sampled_token_ids: list[list[int]], skip=frozenset()
     ) -> list[LookupDraft | None]:
         """As :meth:`SuffixLookup.propose`: one path (or None) per request."""
         settings = self.settings
         drafts: list[LookupDraft | None] = []
         for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:
+            if not sampled or i in skip:
                 drafts.append(None)
                 continue
             history = _history(input_batch, i, sampled)

@@ -55,6 +55,8 @@ class PendingLookupNodes:
     depths: list[int]  # their depths
     raw: list[float]  # their sources' raw probabilities
     agreed: list[bool]  # whether the drafter proposed the same token there
+    path_probs: list[float]  # [n] every node's path probability (the tree's)
+    node_depths: list[int]  # [n] every node's depth
 
 
 class BatchLookup:
@@ -83,6 +85,15 @@ class BatchLookup:
         self.num_reached = 0
         self.num_accepted = 0
         self.accepted_by_source = {"drafter": 0, "lookup": 0, "both": 0}
+        # req_id -> (lookup-only trees in a row the auto budget verified no
+        # node of, steps left before its next lookup tree). Such a request
+        # backs off: its trees are built after 1, 3, 7, ... skipped steps (at
+        # most ``max_backoff``), so where lookup does not pay (T = 1, text that
+        # does not repeat) a step does not pay the host work of building,
+        # valuing and dropping a tree per request. Lookup stays lossless
+        # either way: it changes what is proposed, never what is accepted.
+        self._backoff: dict[str, tuple[int, int]] = {}
+        self.max_backoff = 15
 
     # ------------------------------------------------------------------ #
     # After verification
@@ -112,13 +123,20 @@ class BatchLookup:
         step_tokens: list[list[int]],
         num_drafts: list[int],
         committed: list[list[int]],
-    ) -> None:
+    ) -> tuple[list[list[float]], list[list[int]], list[int]]:
         """Feeds the calibration what the target did with the verified lookup
         nodes: ``committed[b]`` is what request ``b`` committed this step (its
         accepted path, then the bonus token); siblings' tokens differ, so the
-        accepted path is found by its tokens."""
+        accepted path is found by its tokens.
+
+        Returns:
+            Per verified tree that held lookup nodes: its verified nodes'
+            path probabilities and depths, and its accepted path's length
+            (what the auto budget calibrates such trees' values by).
+        """
         union = self.union_rows(req_ids, step_parents, step_tokens, num_drafts)
         depths, raw, agreed, accepted = [], [], [], []
+        tree_probs, tree_depths, tree_accepted = [], [], []
         for b, req_id in enumerate(req_ids):
             if not union[b] or not committed[b]:
                 continue
@@ -153,15 +171,26 @@ class BatchLookup:
                 raw.append(pending.raw[i])
                 agreed.append(pending.agreed[i])
                 accepted.append(node_i in on_path)
+            tree_probs.append(pending.path_probs[:n])
+            tree_depths.append(pending.node_depths[:n])
+            tree_accepted.append(len(on_path) - 1)
         if depths:
             self.calibration.observe(depths, raw, agreed, accepted)
             self.num_reached += len(depths)
             self.num_accepted += sum(accepted)
+        return tree_probs, tree_depths, tree_accepted
 
     def propose(self, input_batch, committed: list[list[int]]) -> None:
         """This step's lookup trees (:attr:`drafts`), after each request's
-        newly ``committed`` tokens (before vLLM's bookkeeping)."""
-        self.drafts = self.source.propose(input_batch, committed)
+        newly ``committed`` tokens (before vLLM's bookkeeping); none for
+        requests backing off (the source still reads their tokens)."""
+        resting = set()
+        for b, req_id in enumerate(input_batch.req_ids[: len(committed)]):
+            misses, wait = self._backoff.get(req_id, (0, 0))
+            if wait > 0:
+                resting.add(b)
+                self._backoff[req_id] = (misses, wait - 1)
+        self.drafts = self.source.propose(input_batch, committed, skip=resting)
         self.last_tokens = [tokens[-1] if tokens else 0 for tokens in committed]
         # This step's trees replace theirs (requests out of the batch keep
         # theirs: the scheduler may still schedule those drafts).
@@ -217,6 +246,8 @@ class BatchLookup:
             depths=[int(depths[tree.lookup_nodes[i]]) for i in nodes],
             raw=[float(draft.probs[tree.lookup_nodes[i]]) for i in nodes],
             agreed=[agreed[tree.lookup_nodes[i]] for i in nodes],
+            path_probs=np.exp(tree.log_scores[1:]).tolist(),
+            node_depths=tree.depths[1:],
         )
         self.num_proposed += len(nodes)
 
@@ -259,33 +290,66 @@ class BatchLookup:
             self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
         return _to_tree(lists, tree.tokens.device), rows
 
+    def lookup_only_unions(
+        self, roots: list[int], rows: list[int]
+    ) -> list[tuple[UnionTree, np.ndarray, list[bool]] | None]:
+        """Per batch row, its tree of lookup nodes alone (no drafter pass this
+        step), with its lookup nodes' depths and drafter agreement (none), or
+        None: rows not in ``rows``. ``roots``: each row's last committed
+        token."""
+        empty = np.zeros((0, 1))
+        unions: list[tuple[UnionTree, np.ndarray, list[bool]] | None]
+        unions = [None for _ in roots]
+        for b in rows:
+            unions[b] = self._union_tree(b, roots[b], empty, empty.astype(np.int64))
+        return unions
+
     def lookup_only_trees(
         self,
         req_ids: list[str],
-        roots: list[int],
-        rows: list[int],
+        unions: list[tuple[UnionTree, np.ndarray, list[bool]] | None],
+        num_nodes: list[int],
         device,
-        remember: bool = True,
-    ) -> DraftTree:
-        """Trees of lookup nodes alone (no drafter pass this step) for batch
-        ``rows``; every other row gets an empty tree. ``roots``: each row's
-        last committed token; ``remember``: they will be verified (their
-        lookup nodes are read a step later)."""
-        empty = np.zeros((0, 1))
-        lists = [([root], [-1], [0.0]) for root in roots]
-        for b in rows:
-            union, depths, agreed = self._union_tree(
-                b, roots[b], empty, empty.astype(np.int64)
-            )
-            lists[b] = (union.tokens, union.parents, union.log_scores)
-            if remember:
-                self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
+    ) -> DraftTree | None:
+        """The batch's trees to verify: each row's lookup-only tree
+        (:meth:`lookup_only_unions`) cut to its first ``num_nodes[b]`` nodes
+        (a prefix: parents come first), its lookup nodes remembered to be
+        read a step later; None when no row keeps a node."""
+        if not any(num_nodes):
+            return None
+        lists = []
+        for b, (entry, n) in enumerate(zip(unions, num_nodes, strict=True)):
+            if entry is None or n == 0:
+                lists.append(([self.last_tokens[b]], [-1], [0.0]))
+                continue
+            union, depths, agreed = entry
+            union = _prefix(union, n)
+            lists.append((union.tokens, union.parents, union.log_scores))
+            self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
         return _to_tree(lists, device)
 
     def forget(self, req_ids: list[str]) -> None:
         """Proposed trees that will not be verified (none sent)."""
         for req_id in req_ids:
             self.pending.pop(req_id, None)
+            self._backoff.pop(req_id, None)
+
+    def note_lookup_only_choice(
+        self, req_ids: list[str], rows: list[int], num_nodes: list[int]
+    ) -> None:
+        """How many nodes the auto budget kept of each lookup-only tree (batch
+        ``rows``): a request whose trees keep none backs off, one whose tree
+        is kept starts over."""
+        for b in rows:
+            req_id = req_ids[b]
+            if num_nodes[b]:
+                self._backoff.pop(req_id, None)
+                continue
+            misses = self._backoff.get(req_id, (0, 0))[0] + 1
+            self._backoff[req_id] = (misses, min((1 << misses) - 1, self.max_backoff))
+        if len(self._backoff) > 4 * max(len(req_ids), 64):
+            current = set(req_ids)
+            self._backoff = {k: v for k, v in self._backoff.items() if k in current}
 
     def stats(self) -> str:
         rate = self.num_accepted / max(self.num_reached, 1)
@@ -295,6 +359,20 @@ class BatchLookup:
             f"accepted {self.num_accepted} ({rate:.2f} of reached); accepted nodes "
             f"of trees with lookup nodes by source: {by_source}"
         )
+
+
+def _prefix(tree: UnionTree, num_nodes: int) -> UnionTree:
+    """The first ``num_nodes`` nodes of ``tree`` (and its root): a tree, as
+    parents come before their children."""
+    end = num_nodes + 1
+    return UnionTree(
+        tokens=tree.tokens[:end],
+        parents=tree.parents[:end],
+        depths=tree.depths[:end],
+        log_scores=tree.log_scores[:end],
+        sources=tree.sources[:end],
+        lookup_nodes=tree.lookup_nodes[:end],
+    )
 
 
 def _rows_of(tokens, parents, scores, counts):

@@ -497,9 +497,13 @@ class DDTreeVerifier:
         ]
         step = self._step
         if step is not None:
-            self.lookup.observe(
+            seen = self.lookup.observe(
                 req_ids, step.parents, step.tokens, step.num_drafts, committed
             )
+            # >>> auto budget
+            if self.budget is not None:
+                self.budget.observe_lookup_trees(*seen)
+            # <<< auto budget
         self.lookup.propose(runner.input_batch, committed)
         # Structured requests' trees are the scheduler's (their grammars).
         self._lookup_rows = self.lookup.rows(excluded=self._structured_rows)
@@ -558,15 +562,19 @@ class DDTreeVerifier:
         draft = torch.empty(num_reqs, 0, dtype=torch.int64, device=runner.device)
         self.proposed.clear()
         if self._lookup_rows:
-            # No drafter pass, but the lookup trees cost only their rows.
+            # No drafter pass, but the lookup trees cost only their rows: built,
+            # valued and cut on the host, then one copy to the device.
             started = time.perf_counter()
+            unions = self.lookup.lookup_only_unions(
+                self.lookup.last_tokens, self._lookup_rows
+            )
+            num_nodes = budget.choose_lookup_only([u and u[0] for u in unions])
+            self.lookup.note_lookup_only_choice(req_ids, self._lookup_rows, num_nodes)
             tree = self.lookup.lookup_only_trees(
-                req_ids, self.lookup.last_tokens, self._lookup_rows, runner.device
+                req_ids, unions, num_nodes, runner.device
             )
-            tree = dataclasses.replace(
-                tree, num_nodes=budget.choose_lookup_only(tree)
-            )
-            draft = self.proposed.put(req_ids, tree)
+            if tree is not None:
+                draft = self.proposed.put(req_ids, tree)
             self._drafter_seconds += time.perf_counter() - started
         # Structured requests still get the tokens their grammar forces: the
         # scheduler builds those trees without drafter candidates.
@@ -672,11 +680,11 @@ class DDTreeVerifier:
         rows = torch_utils.async_tensor_h2d(
             lookup_rows, dtype=torch.int64, device=device
         )
-        # Not verified: only a yardstick, its nodes not remembered.
-        alternative = self.lookup.lookup_only_trees(
-            req_ids, self.lookup.last_tokens, lookup_rows, device, remember=False
+        # Not verified: only a yardstick (host trees).
+        alternative = self.lookup.lookup_only_unions(
+            self.lookup.last_tokens, lookup_rows
         )
-        return rows, alternative
+        return rows, [u and u[0] for u in alternative]
 
     # <<< auto budget
     def _grammar_candidates(
@@ -1056,13 +1064,12 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
         )
         # Requests verified as a chain (no path probabilities) count nowhere;
         # grammar-built trees (probabilities renormalised over the allowed
-        # tokens) and trees holding lookup nodes have their own calibrations.
+        # tokens) and trees holding lookup nodes have their own calibrations
+        # (the lookup's on the host, fed in before_propose).
         reached = verified.any(dim=1)
-        union = union & ~grammar
         for calibration, rows in (
             (verifier.budget.calibration, reached & ~grammar & ~union),
             (verifier.budget.grammar_calibration, reached & grammar),
-            (verifier.budget.lookup_calibration, reached & union),
         ):
             calibration.update(
                 probs, tree.depths, verified & rows.unsqueeze(1),
