@@ -205,3 +205,19 @@ def test_smollm2_target_in_vllm(vllm_patched):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
     assert "Paris" in out[0].outputs[0].text
     del llm
+
+
+def test_codeedit_prompts_hold_the_code_to_rewrite():
+    """"codeedit": every HumanEval function with its solution, last first, so
+    its first prompts are not humaneval's first functions."""
+    if not _wheel_cached("humaneval") and os.environ.get(
+            "VLLM_DDTREE_TEST_ASSETS") != "1":
+        pytest.skip("humaneval wheel not cached; set VLLM_DDTREE_TEST_ASSETS=1")
+    humaneval = assets.load_raw_prompts("humaneval")
+    codeedit = assets.load_raw_prompts("codeedit")
+    assert len(codeedit) == len(humaneval) == 164
+    # The function (signature and docstring) of humaneval's last prompt is in
+    # codeedit's first, followed by a body; not in its last.
+    function = humaneval[-1].split("```python\n", 1)[1].rsplit("```", 1)[0]
+    assert function in codeedit[0] and function not in codeedit[-1]
+    assert codeedit[0].split(function, 1)[1].strip()

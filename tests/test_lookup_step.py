@@ -102,9 +102,8 @@ def test_a_verified_step_teaches_the_calibration():
     assert sorted(tokens[1:]) == [31, 32, 33, 41]
     # The target accepted 31 and 32, then said 99 (33 rejected); 41 was
     # reached (a child of the root) and rejected.
-    probs, depths, accepted = lookup.observe(
-        ["a"], [parents], [tokens], [n], [[31, 32, 99]]
-    )
+    lookup.observe(["a"], [parents], [tokens], [n], [[31, 32, 99]])
+    probs, depths, accepted = lookup.verified_trees
     # What the auto budget calibrates the tree by: every verified node's path
     # probability and depth, and the accepted path's length.
     assert accepted == [2] and sorted(depths[0]) == [1, 1, 2, 3]

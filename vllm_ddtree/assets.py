@@ -93,7 +93,11 @@ _DATASET_WHEELS = {
     ),
 }
 
-DATASETS = ("humaneval", "mtbench", "gsm8k", "sharegpt")
+DATASETS = ("humaneval", "mtbench", "gsm8k", "sharegpt", "codeedit")
+
+CODEEDIT_INSTRUCTION = (
+    "Rewrite the following Python function with type hints and descriptive "
+    "variable names. Reply with the whole function, code only.\n\n{code}")
 
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with code only.\n\n"
@@ -359,6 +363,13 @@ def _raw_prompts(dataset: str) -> tuple[str, ...]:
         rows = _jsonl(gzip.decompress(_dataset_bytes("humaneval")))
         return tuple(HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])
                      for r in rows)
+    if dataset == "codeedit":
+        # A workload whose answers repeat their context: each HumanEval
+        # function, solved, to be rewritten whole; last first, so the first
+        # prompts of "codeedit" and of "humaneval" are different functions.
+        rows = _jsonl(gzip.decompress(_dataset_bytes("humaneval")))
+        return tuple(CODEEDIT_INSTRUCTION.format(code=r["prompt"] + r["canonical_solution"])
+                     for r in reversed(rows))
     if dataset == "mtbench":
         rows = _jsonl(_dataset_bytes("mtbench"))
         return tuple(r["turns"][0] for r in rows)
@@ -443,8 +454,10 @@ def load_prompts(dataset: str, n: Optional[int] = None, tokenizer=None,
                  split: str = "all") -> list[str]:
     """``n`` chat-rendered prompts from ``dataset`` (all when ``n`` is None).
 
-    ``dataset``: "humaneval", "mtbench" (first turn), "gsm8k" (test split) or
-    "sharegpt" (first human turn of the recovered records). ``tokenizer``: an
+    ``dataset``: "humaneval", "mtbench" (first turn), "gsm8k" (test split),
+    "sharegpt" (first human turn of the recovered records) or "codeedit"
+    (each HumanEval function with its solution, to be rewritten whole: a
+    workload whose answers repeat their context). ``tokenizer``: an
     object with ``apply_chat_template``, a path to load with
     ``AutoTokenizer``, or None for the SmolLM2 target (converted if needed).
     ``seed`` None keeps file order; an int shuffles with

@@ -94,6 +94,11 @@ class BatchLookup:
         # either way: it changes what is proposed, never what is accepted.
         self._backoff: dict[str, tuple[int, int]] = {}
         self.max_backoff = 15
+        # The last observe's verified trees that held lookup nodes: their
+        # verified nodes' path probabilities and depths, and their accepted
+        # paths' lengths (what the auto budget calibrates such trees by).
+        self.verified_trees: tuple[list[list[float]], list[list[int]], list[int]]
+        self.verified_trees = ([], [], [])
 
     # ------------------------------------------------------------------ #
     # After verification
@@ -123,17 +128,11 @@ class BatchLookup:
         step_tokens: list[list[int]],
         num_drafts: list[int],
         committed: list[list[int]],
-    ) -> tuple[list[list[float]], list[list[int]], list[int]]:
+    ) -> None:
         """Feeds the calibration what the target did with the verified lookup
         nodes: ``committed[b]`` is what request ``b`` committed this step (its
         accepted path, then the bonus token); siblings' tokens differ, so the
-        accepted path is found by its tokens.
-
-        Returns:
-            Per verified tree that held lookup nodes: its verified nodes'
-            path probabilities and depths, and its accepted path's length
-            (what the auto budget calibrates such trees' values by).
-        """
+        accepted path is found by its tokens. Sets :attr:`verified_trees`."""
         union = self.union_rows(req_ids, step_parents, step_tokens, num_drafts)
         depths, raw, agreed, accepted = [], [], [], []
         tree_probs, tree_depths, tree_accepted = [], [], []
@@ -178,7 +177,7 @@ class BatchLookup:
             self.calibration.observe(depths, raw, agreed, accepted)
             self.num_reached += len(depths)
             self.num_accepted += sum(accepted)
-        return tree_probs, tree_depths, tree_accepted
+        self.verified_trees = (tree_probs, tree_depths, tree_accepted)
 
     def propose(self, input_batch, committed: list[list[int]]) -> None:
         """This step's lookup trees (:attr:`drafts`), after each request's

@@ -497,12 +497,12 @@ class DDTreeVerifier:
         ]
         step = self._step
         if step is not None:
-            seen = self.lookup.observe(
+            self.lookup.observe(
                 req_ids, step.parents, step.tokens, step.num_drafts, committed
             )
             # >>> auto budget
             if self.budget is not None:
-                self.budget.observe_lookup_trees(*seen)
+                self.budget.observe_lookup_trees(*self.lookup.verified_trees)
             # <<< auto budget
         self.lookup.propose(runner.input_batch, committed)
         # Structured requests' trees are the scheduler's (their grammars).
