@@ -15,7 +15,9 @@ call with its Triton and torch backends.
 """
 
 import os
+import re
 import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
@@ -99,9 +101,16 @@ def compiled_extensions():
 
 ext_modules, cmdclass = compiled_extensions()
 
+def package_version() -> str:
+    """``__version__`` of vllm_ddtree/__init__.py (read, not imported: the
+    package imports torch)."""
+    text = (Path(__file__).parent / "vllm_ddtree" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+
+
 setup(
     name="vllm-ddtree",
-    version="0.1.0",
+    version=package_version(),
     description="DDTree (diffusion draft tree) speculative decoding for vLLM",
     packages=find_packages(include=["vllm_ddtree", "vllm_ddtree.*"]),
     python_requires=">=3.10",

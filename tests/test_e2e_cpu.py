@@ -314,7 +314,7 @@ def test_bf16_greedy_is_lossless(models, kind, max_children, bias):
     spine) keep the stock attention kernel's output, bit for bit; the random
     target runs as a chain (``ddtree_max_children=1``) because recomputed sibling
     rows are not bit-identical to the stock kernel in bf16 (its near-tied bf16
-    logits then flip: a known limit, see README)."""
+    logits then flip: a known limit, see docs/plugin.md)."""
     target, drafter = models[kind]
     p = prompts(8, seed=5)
     spec = ddtree(drafter, 16)

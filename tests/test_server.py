@@ -387,7 +387,7 @@ def test_refused_parameter_is_400(setup):
 
 def test_refused_parameter_streamed(setup):
     """What a streaming client sees for a request ddtree refuses, as for vLLM's
-    own request checks (README): HTTP 200, one event with the 400 error, [DONE]."""
+    own request checks (docs/plugin.md): HTTP 200, one event with the 400 error, [DONE]."""
     server = setup["server"]
     status, data = server.stream_raw("/v1/completions", {**completion_body(PROMPTS[0]),
                                                          **REFUSED_BODY})

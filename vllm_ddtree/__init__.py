@@ -4,6 +4,8 @@
 Paper: https://arxiv.org/abs/2604.12989
 """
 
+__version__ = "0.2.0"  # CHANGELOG.md; setup.py reads it
+
 from vllm_ddtree.tree import (
     DraftTree,
     build_ddtree,
@@ -12,6 +14,7 @@ from vllm_ddtree.tree import (
 )
 
 __all__ = [
+    "__version__",
     "DraftTree",
     "build_ddtree",
     "draft_top_k",

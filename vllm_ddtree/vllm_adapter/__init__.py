@@ -3,5 +3,5 @@
 
 Everything that touches vLLM internals lives in this package; the tree, the
 verification and the commit math (``vllm_ddtree.tree``, ``.verify``, ``.commit``)
-do not import vLLM. See docs/vllm-integration.md for the map of hooks.
+do not import vLLM. docs/plugin.md describes what the plugin changes in vLLM.
 """
