@@ -968,6 +968,13 @@ CONFIG_EDITS = [
         # Before the compilation mode and CUDA graphs are resolved: the check
         # limits ddtree on CUDA to piecewise graphs.
         "        self.try_verify_and_update_config()\n",
+        "        if self.speculative_config is not None:\n"
+        "            # Settings ddtree needs (made, with a warning) before the\n"
+        "            # model's config hooks read them.\n"
+        "            from vllm.v1.spec_decode.ddtree.config import (\n"
+        "                apply_required_settings,\n"
+        "            )\n\n"
+        "            apply_required_settings(self)\n"
         "        self.try_verify_and_update_config()\n"
         "        if self.speculative_config is not None:\n"
         "            from vllm.v1.spec_decode.ddtree.config import (\n"

@@ -142,6 +142,34 @@ def test_budget_defaults_to_auto(pair):
     assert config.speculative_config.ddtree.budget_mode == "fixed"
 
 
+def test_start_up_says_ddtree_is_on_with_its_settings(pair):
+    """vLLM's engine log names the DFlash plumbing ("dflash"); ddtree's own line,
+    through vLLM's logger, says ddtree verifies the trees and with what."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    vllm_logger = logging.getLogger("vllm")
+    handler, level = Keep(logging.INFO), vllm_logger.level
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        EngineArgs(model=pair[0], dtype="float32", enforce_eager=True, max_model_len=256,
+                   speculative_config=ddtree(pair[1], ddtree_max_children=3)
+                   ).create_engine_config()
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(level)
+    (line,) = [m for m in messages if m.startswith("ddtree: DDTree tree verification on")]
+    assert "budget=8" in line and "max_children=3" in line and "draft_len=4" in line, line
+
+
 def test_dynamic_sd_table_is_refused_at_start_up(pair):
     """vLLM's num_speculative_tokens_per_batch_size with ddtree: a clear error
     naming the key and what to use instead."""
@@ -159,13 +187,17 @@ def test_quantized_kv_cache_is_refused_at_start_up(pair):
                  kv_cache_dtype="fp8", speculative_config=ddtree(drafter))
 
 
-def test_hybrid_target_with_prefix_caching_is_refused_at_start_up(root, pair):
+def test_hybrid_target_gets_prefix_caching_off(root, pair):
     """A Qwen3-Next-shaped target (Gated DeltaNet + full attention layers) with
-    prefix caching (vLLM's default) is refused while the config is built: vLLM
-    caches recurrent states per block with copies keyed to linear draft
-    positions. Only the config is written: the refusal comes before any weight
-    is read."""
+    prefix caching (vLLM's default) starts with prefix caching off and a warning
+    saying why, before the model's config hooks pick the recurrent-state cache
+    mode: vLLM caches recurrent states per block with copies keyed to linear
+    draft positions. Only the config is built (no weights); without ddtree the
+    same target keeps vLLM's default."""
+    import logging
+
     from transformers import Qwen3NextConfig
+    from vllm.engine.arg_utils import EngineArgs
 
     path = root / "qwen3_next_target"
     Qwen3NextConfig(
@@ -177,10 +209,28 @@ def test_hybrid_target_with_prefix_caching_is_refused_at_start_up(root, pair):
         layer_types=["linear_attention", "full_attention"] * 2, dtype="bfloat16",
     ).save_pretrained(str(path))
     tiny_models.write_tokenizer(path)
-    with pytest.raises(ValueError, match="hybrid.*enable_prefix_caching=False"):
-        vllm.LLM(model=str(path), dtype="bfloat16", enforce_eager=True,
-                 max_model_len=256, enable_prefix_caching=True,
-                 speculative_config=ddtree(pair[1]))
+    warnings = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    vllm_logger = logging.getLogger("vllm")
+    handler = Keep(logging.WARNING)
+    vllm_logger.addHandler(handler)
+    try:
+        configs = [
+            EngineArgs(model=str(path), dtype="bfloat16", enforce_eager=True,
+                       max_model_len=256, speculative_config=spec).create_engine_config()
+            for spec in (ddtree(pair[1]), None)
+        ]
+    finally:
+        vllm_logger.removeHandler(handler)
+    with_ddtree, without = (c.cache_config for c in configs)
+    assert not with_ddtree.enable_prefix_caching
+    assert with_ddtree.mamba_cache_mode == "none"
+    assert without.enable_prefix_caching  # vLLM's default, untouched
+    assert any("prefix caching turned off" in w and "hybrid" in w for w in warnings)
 
 
 def test_layer_refusals_fail_the_engine_start_not_a_request(pair, monkeypatch):

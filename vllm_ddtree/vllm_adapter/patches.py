@@ -13,6 +13,10 @@ decorate in-tree in the upstream patch series (``patches/``):
   ``SpeculativeConfig``.
 * P2 ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the
   V1 model runner (in the series: one more name in vLLM's list).
+* P13 ``VllmConfig.try_verify_and_update_config``: first the settings ddtree
+  needs, made with a warning (prefix caching off on hybrid targets;
+  :func:`~vllm_ddtree.vllm_adapter.config.apply_required_settings`), before the
+  model's config hooks (in the series: a call before it in ``__post_init__``).
 * P3 ``GPUModelRunner.__init__``: with ddtree on, the runner gets its
   ``DDTreeProposer`` and ``DDTreeVerifier`` and becomes a subclass that calls
   the verifier where the series' ``GPUModelRunner`` has ``if self.ddtree is not
@@ -51,8 +55,8 @@ decorate in-tree in the upstream patch series (``patches/``):
   its non-speculative path does (in the series, an explicit branch in each;
   :func:`plugin_hooks.gdn_install_hook`).
 Only P7 and P11 change vLLM's behaviour when ddtree is off (they fix in-tree
-``"dflash"`` on CPU); P1-P6 and P8-P10, P12 are no-ops unless an engine asks
-for ddtree. The
+``"dflash"`` on CPU); P1-P6, P8-P10, P12 and P13 are no-ops unless an engine
+asks for ddtree. The
 not-yet-validated CUDA path needs no patch point: the shared start-up checks
 admit it when opted in (:func:`~vllm_ddtree.vllm_adapter.checks.gpu_opted_in`),
 P1 sets its engine options and the verifier registers its attention backend.
@@ -101,6 +105,11 @@ def install() -> None:
     VllmConfig._get_v2_model_runner_unsupported_features = (
         plugin_hooks.v2_runner_unsupported_hook(
             VllmConfig._get_v2_model_runner_unsupported_features
+        )
+    )
+    VllmConfig.try_verify_and_update_config = (
+        plugin_hooks.try_verify_and_update_config_hook(
+            VllmConfig.try_verify_and_update_config
         )
     )
     GPUModelRunner.__init__ = plugin_runner.model_runner_init_hook(

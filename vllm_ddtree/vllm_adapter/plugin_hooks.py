@@ -34,6 +34,7 @@ from vllm_ddtree.vllm_adapter.config import (
     DDTREE_KEYS,
     DDTREE_METHOD,
     DDTreeConfig,
+    apply_required_settings,
     check_no_stray_keys,
     get_ddtree_config,
     resolve_ddtree_config,
@@ -97,7 +98,6 @@ def speculative_config_hook(create_speculative_config):
                 ddtree,
                 target_model_config,
                 self.kv_cache_dtype,
-                bool(self.enable_prefix_caching),
             )
             backend = gpu_engine_settings(
                 [
@@ -130,6 +130,20 @@ def v2_runner_unsupported_hook(get_unsupported_features):
         if get_ddtree_config(self) is not None:
             features.append("speculative method 'ddtree'")
         return features
+
+    return wrapper
+
+
+def try_verify_and_update_config_hook(try_verify_and_update_config):
+    """Makes the settings a ddtree engine needs before the model's config hooks
+    read them (:func:`~vllm_ddtree.vllm_adapter.config.apply_required_settings`;
+    in the series, a call before ``try_verify_and_update_config`` in
+    ``VllmConfig.__post_init__``)."""
+
+    @functools.wraps(try_verify_and_update_config)
+    def wrapper(self):
+        apply_required_settings(self)
+        return try_verify_and_update_config(self)
 
     return wrapper
 
