@@ -41,7 +41,7 @@ def batch(req_ids):
 def lookup_only(lookup, req_ids, rows, num_nodes=None):
     """This step's lookup-only trees of ``rows``, cut to ``num_nodes`` per
     row (None: whole), as verified (their nodes remembered)."""
-    unions = lookup.lookup_only_unions(lookup.last_tokens, rows)
+    unions = lookup.lookup_only_unions(rows)
     if num_nodes is None:
         num_nodes = [0 if u is None else u[0].num_nodes for u in unions]
     return lookup.lookup_only_trees(req_ids, unions, num_nodes, "cpu")
@@ -138,7 +138,7 @@ def test_only_verified_lookup_nodes_are_remembered():
     lookup.propose(batch(["a"]), [[7]])
     # A yardstick (not verified) is not remembered; a tree cut to nothing is
     # not sent at all.
-    lookup.lookup_only_unions(lookup.last_tokens, [0])
+    lookup.lookup_only_unions([0])
     assert lookup_only(lookup, ["a"], [0], num_nodes=[0]) is None
     assert not lookup.pending and lookup.num_proposed == 0
     # A tree cut to its first two nodes: those are remembered, not the third.

@@ -31,12 +31,10 @@ def register() -> None:
     """
     import logging
 
-    from vllm.logger import init_logger
-
     from vllm_ddtree.vllm_adapter.patches import install
 
     # This package's log lines go through vLLM's handlers and level (in-tree
     # its modules are under ``vllm.``): without a handler of its own, Python
     # would drop their INFO lines.
-    logging.getLogger(__name__).parent = init_logger("vllm")
+    logging.getLogger(__name__).parent = logging.getLogger("vllm")
     install()

@@ -357,17 +357,21 @@ def _jsonl(data: bytes) -> list[dict]:
             if line.strip()]
 
 
+def _humaneval_rows() -> list[dict]:
+    return _jsonl(gzip.decompress(_dataset_bytes("humaneval")))
+
+
 @lru_cache(maxsize=None)
 def _raw_prompts(dataset: str) -> tuple[str, ...]:
     if dataset == "humaneval":
-        rows = _jsonl(gzip.decompress(_dataset_bytes("humaneval")))
+        rows = _humaneval_rows()
         return tuple(HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])
                      for r in rows)
     if dataset == "codeedit":
         # A workload whose answers repeat their context: each HumanEval
         # function, solved, to be rewritten whole; last first, so the first
         # prompts of "codeedit" and of "humaneval" are different functions.
-        rows = _jsonl(gzip.decompress(_dataset_bytes("humaneval")))
+        rows = _humaneval_rows()
         return tuple(CODEEDIT_INSTRUCTION.format(code=r["prompt"] + r["canonical_solution"])
                      for r in reversed(rows))
     if dataset == "mtbench":

@@ -290,17 +290,18 @@ class BatchLookup:
         return _to_tree(lists, tree.tokens.device), rows
 
     def lookup_only_unions(
-        self, roots: list[int], rows: list[int]
+        self, rows: list[int]
     ) -> list[tuple[UnionTree, np.ndarray, list[bool]] | None]:
         """Per batch row, its tree of lookup nodes alone (no drafter pass this
-        step), with its lookup nodes' depths and drafter agreement (none), or
-        None: rows not in ``rows``. ``roots``: each row's last committed
-        token."""
+        step), rooted at its last committed token, with its lookup nodes'
+        depths and drafter agreement (none), or None: rows not in ``rows``."""
         empty = np.zeros((0, 1))
         unions: list[tuple[UnionTree, np.ndarray, list[bool]] | None]
-        unions = [None for _ in roots]
+        unions = [None for _ in self.last_tokens]
         for b in rows:
-            unions[b] = self._union_tree(b, roots[b], empty, empty.astype(np.int64))
+            unions[b] = self._union_tree(
+                b, self.last_tokens[b], empty, empty.astype(np.int64)
+            )
         return unions
 
     def lookup_only_trees(

@@ -565,9 +565,7 @@ class DDTreeVerifier:
             # No drafter pass, but the lookup trees cost only their rows: built,
             # valued and cut on the host, then one copy to the device.
             started = time.perf_counter()
-            unions = self.lookup.lookup_only_unions(
-                self.lookup.last_tokens, self._lookup_rows
-            )
+            unions = self.lookup.lookup_only_unions(self._lookup_rows)
             num_nodes = budget.choose_lookup_only([u and u[0] for u in unions])
             self.lookup.note_lookup_only_choice(req_ids, self._lookup_rows, num_nodes)
             tree = self.lookup.lookup_only_trees(
@@ -681,9 +679,7 @@ class DDTreeVerifier:
             lookup_rows, dtype=torch.int64, device=device
         )
         # Not verified: only a yardstick (host trees).
-        alternative = self.lookup.lookup_only_unions(
-            self.lookup.last_tokens, lookup_rows
-        )
+        alternative = self.lookup.lookup_only_unions(lookup_rows)
         return rows, [u and u[0] for u in alternative]
 
     # <<< auto budget
