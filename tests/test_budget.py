@@ -84,6 +84,32 @@ def test_allocation_is_the_exact_optimum(seed, allocate):
     assert got == pytest.approx(want_thr, rel=1e-5), (counts, want_counts)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_allocation_with_a_minimum_is_the_exact_optimum_over_those_choices(seed):
+    """allocate_nodes_host(min_nodes=m) (an exploration step's choice): the
+    best choice of at least m nodes in all, by brute force."""
+    rng = random.Random(seed)
+    num_reqs, budget = rng.randint(1, 3), rng.randint(1, 4)
+    values = non_increasing(rng, num_reqs, budget)
+    cost = random_cost(rng, num_reqs * (budget + 1))
+    m = rng.randint(1, num_reqs * budget)
+    want = max(
+        (num_reqs + sum(float(values[r, :n].sum()) for r, n in enumerate(c)))
+        / cost(num_reqs + sum(c))
+        for c in itertools.product(range(budget + 1), repeat=num_reqs)
+        if sum(c) >= m
+    )
+    counts, thr = allocate_nodes_host(
+        values.double().numpy(), seconds(cost, num_reqs, budget).double().numpy(), m
+    )
+    assert counts.sum() >= m
+    assert thr == pytest.approx(want, rel=1e-6)
+    gain = sum(float(values[r, :n].sum()) for r, n in enumerate(counts.tolist()))
+    assert (num_reqs + gain) / cost(num_reqs + int(counts.sum())) == pytest.approx(
+        want, rel=1e-6
+    )
+
+
 @pytest.mark.parametrize("allocate", [allocate_nodes, allocate_on_host])
 def test_allocation_extremes(allocate):
     values = torch.tensor([[0.99, 0.98, 0.97], [0.01, 0.0, 0.0]])
@@ -556,3 +582,30 @@ def test_branch_rows_are_charged_per_row():
         c.choose_lookup_only(_host_tree(t))[0] for t in (chain, star)
     )
     assert kept_chain == 8 and kept_star < kept_chain, (kept_chain, kept_star)
+
+
+def test_lookup_trees_priced_out_by_slow_steps_are_explored_back():
+    """A few tree steps timed on a loaded machine (10x their true overhead)
+    price a sure lookup chain out; trees are priced only from verified tree
+    steps, so without exploration none is verified again and the price never
+    recovers. The controller verifies the best prefix of a declined step now
+    and then (loss within explore_share): fed the true timings of those
+    steps, it keeps the chain again (here after ~700 steps and ~11
+    explorations). 1,000 lookup-only steps."""
+    pytest.importorskip("vllm")
+    c = _controller(per_row=0.0005, full=0.004, context=0.0005)
+    c.record_step(5, 1.0, 1)  # the engine's first tree step: a warm-up
+    for _ in range(5):  # loaded: 0.2 s over a plain step of as many rows
+        c.record_step(5, 0.020 + 0.0005 * 5 + 0.2, 1)
+    chain = _host_tree(_lookup_chain(0.9))  # 4 sure nodes
+    assert c.choose_lookup_only(chain) == [0]  # priced out
+    kept = []
+    for _ in range(1000):
+        n = c.choose_lookup_only(chain)[0]
+        kept.append(n)
+        if n:  # verified: its true time (1 ms of tree overhead)
+            c.record_step(1 + n, 0.020 + 0.0005 * (1 + n) + 0.001, 1)
+    explored = c.num_lookup_explorations
+    assert 1 <= explored <= 0.05 * len(kept), explored
+    assert f"lookup-only trees verified to explore {explored}" in c.stats_line()
+    assert kept[-100:] == [4] * 100, kept

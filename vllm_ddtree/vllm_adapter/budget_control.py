@@ -40,7 +40,11 @@ rarely when it is far below (at most ``max_skip``). The tree a probe drafted is
 verified only as far as it beats one plain step (its pass is paid). While the
 chosen trees stay shallow the drafter drafts the depths in use only (a shorter
 block: its forward and its LM head over the vocabulary shrink with it), and the
-whole block every ``full_depth_every``-th pass.
+whole block every ``full_depth_every``-th pass. Lookup-only trees (steps
+without a drafter pass) are verified as far as they beat a plain step; when
+none does, the best of them is still verified now and then, within the same
+``explore_share``, since a stale price (a few slow steps, early rejections)
+is corrected only by verified trees.
 
 Lossless: budgets depend on the draft scores and on timings only, never on the
 target's samples of the step being verified; a trimmed tree is a prefix of the
@@ -178,6 +182,10 @@ class BudgetController:
         # context-only one, its tree verified as far as it pays) is
         # exploration: its expected loss is kept within this share of the time.
         self.explore_share = 0.005
+        # Declined lookup-only steps' exploration allowance (a share of a
+        # step each), spent on verifying their best tree anyway.
+        self._lookup_explore_credit = 0.0
+        self.num_lookup_explorations = 0
         self._steps = 0
         self.retime_every = 512
 
@@ -392,7 +400,8 @@ class BudgetController:
             f"DDTree auto budget: mean nodes per request-step {mean:.2f} over "
             f"{total} request-steps (nodes: request-steps {bins or '-'}); drafter "
             f"skipped {self.num_skipped_steps} of {self._steps} steps; draft depth "
-            f"{self.draft_depth}"
+            f"{self.draft_depth}; lookup-only trees verified to explore "
+            f"{self.num_lookup_explorations}"
         )
 
     # ------------------------------------------------------------------ #
@@ -517,14 +526,15 @@ class BudgetController:
             torch.tensor(num_accepted),
         )
 
-    def _lookup_only_choice(
+    def _lookup_only_step(
         self, trees: list[UnionTree | None], context: float
-    ) -> tuple[np.ndarray, float]:
-        """(nodes per request [R], expected committed tokens per second) of
-        the best prefixes of lookup-only trees ``trees`` (None: a request
-        without one) verified with a context-only drafter pass after them (k
-        = 0: a plain step). On the host, where the trees are built: the
-        choice comes before their one copy to the device."""
+    ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """What :func:`allocate_nodes_host` weighs for lookup-only trees
+        ``trees`` (None: a request without one) verified with a context-only
+        drafter pass after them: ``(values [R, B], seconds [R * B + 1] of the
+        step with the best k nodes, k = 0: a plain step; the allocation
+        order)``. On the host, where the trees are built: the choice comes
+        before their one copy to the device."""
         num_reqs = len(trees)
         width = max((t.num_nodes for t in trees if t is not None), default=0)
         values = np.zeros((num_reqs, width))  # [R, B]
@@ -542,11 +552,19 @@ class BudgetController:
         rows = num_reqs + np.arange(values.size + 1)
         curve = self.tree_step_seconds(rows, num_reqs, per_node=False) + context
         curve[0] = float(self.plain_step_cost.predict(num_reqs)) + context
+        order = allocation_order_host(values)
         if self.tree_node_cost is not None and self.tree_node_cost.ready:
-            _, order = allocation_order_host(values)
-            flat_charged = charged.T.reshape(-1)[order]
+            flat_charged = charged.T.reshape(-1)[order[1]]
             curve[1:] += np.cumsum(flat_charged) * self.tree_node_cost.slope
-        return allocate_nodes_host(values, curve)
+        return values, curve, order
+
+    def _lookup_only_choice(
+        self, trees: list[UnionTree | None], context: float
+    ) -> tuple[np.ndarray, float]:
+        """(nodes per request [R], expected committed tokens per second) of
+        the best prefixes of lookup-only trees (:meth:`_lookup_only_step`)."""
+        values, curve, order = self._lookup_only_step(trees, context)
+        return allocate_nodes_host(values, curve, order=order)
 
     def _charged_host(self, parents: list[int]) -> np.ndarray:
         """[n] :meth:`charged_nodes` of one host tree (``parents``, root
@@ -560,13 +578,29 @@ class BudgetController:
     def choose_lookup_only(self, trees: list[UnionTree | None]) -> list[int]:
         """Nodes to keep per request of lookup-only trees (a step whose
         drafter pass was skipped; None: a request without one): the prefixes
-        that beat a plain step, or none."""
+        that beat a plain step, or none.
+
+        When none pays, the best choice of at least one node is verified now
+        and then (exploration), as many times as keep its expected loss
+        within ``explore_share`` of the declined steps: a lookup tree's price
+        is learned only from verified trees (the tree steps' cost, the lookup
+        calibration), so a few slow steps or early rejections would otherwise
+        price lookup out for good."""
         num_reqs = len(trees)
         sizes = [0 if t is None else t.num_nodes for t in trees]
         context = self.context_drafter_cost.estimate(num_reqs)
         if not self.plain_step_cost.ready or context is None:
             return sizes  # warming up: what the lookup proposes
-        counts, _ = self._lookup_only_choice(trees, context)
+        values, curve, order = self._lookup_only_step(trees, context)
+        counts, rate = allocate_nodes_host(values, curve, order=order)
+        if not counts.any() and any(sizes):
+            self._lookup_explore_credit += self.explore_share
+            probe, probe_rate = allocate_nodes_host(values, curve, 1, order)
+            loss = 1.0 - probe_rate / max(rate, 1e-12)
+            if loss <= self._lookup_explore_credit:
+                self._lookup_explore_credit -= loss
+                self.num_lookup_explorations += 1
+                counts = probe
         counts = np.minimum(counts, sizes)
         # A skipped step's request-steps count as 0 nodes (draft_next); a
         # lookup-only step's are counted by the nodes it verifies instead.
