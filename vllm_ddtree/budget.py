@@ -35,7 +35,9 @@ __all__ = [
     "StepCostModel",
     "NodeCostModel",
     "allocate_nodes",
+    # >>> lookup
     "allocate_nodes_host",
+    # <<< lookup
 ]
 
 
@@ -85,6 +87,7 @@ def allocate_nodes(
     return num_nodes, throughput[best_k]
 
 
+# >>> lookup
 def allocation_order_host(node_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`allocation_order` on the host (numpy): the same order."""
     values = np.minimum.accumulate(np.maximum(node_values, 0.0), axis=1)
@@ -121,6 +124,7 @@ def allocate_nodes_host(
     best_k = first + int(np.argmax(throughput[first:]))
     num_nodes = np.bincount(order[:best_k] % max(num_reqs, 1), minlength=num_reqs)
     return num_nodes.astype(np.int64), float(throughput[best_k])
+# <<< lookup
 
 
 class AcceptanceCalibration:

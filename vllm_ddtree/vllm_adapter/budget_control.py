@@ -65,11 +65,17 @@ from vllm_ddtree.budget import (
     NodeCostModel,
     StepCostModel,
     allocate_nodes,
+    # >>> lookup
     allocate_nodes_host,
+    # <<< lookup
     allocation_order,
+    # >>> lookup
     allocation_order_host,
+    # <<< lookup
 )
+# >>> lookup
 from vllm_ddtree.lookup_tree import UnionTree
+# <<< lookup
 from vllm_ddtree.tree import DraftTree
 
 __all__ = ["BudgetController", "StepPrices"]
@@ -124,6 +130,7 @@ class BudgetController:
         # probabilities renormalised over the allowed tokens, and forced runs
         # past the drafter's depth (up to B deep), calibrated apart.
         self.grammar_calibration = AcceptanceCalibration(budget, device)
+        # >>> lookup
         # Trees holding lookup nodes (union trees, lookup-only trees): their
         # lookup nodes' probabilities are calibrated already (by the lookup's
         # own calibration), and lookup paths run past the drafter's depth (up
@@ -131,6 +138,7 @@ class BudgetController:
         # lookup trees are: fed from the committed tokens the lookup reads
         # anyway (:meth:`observe_lookup_trees`), read without a device sync.
         self.lookup_calibration = AcceptanceCalibration(budget, "cpu")
+        # <<< lookup
         # This step's price of a node in expected accepted tokens (the chosen
         # step's throughput times a node's marginal seconds): the scheduler
         # keeps a grammar-built tree's nodes worth at least that.
@@ -155,11 +163,13 @@ class BudgetController:
             budget + 1, dtype=torch.int64, device=device
         )
         self._skipped_request_steps = 0
+        # >>> lookup
         # [B + 1] request-steps of lookup-only steps by nodes verified (host).
         self._lookup_only_histogram = np.zeros(budget + 1, dtype=np.int64)
         # Request-steps of the last draft_next if it skipped (a lookup-only
         # step then counts them by the nodes it verifies instead).
         self._last_skipped = 0
+        # <<< lookup
         self.num_skipped_steps = 0
         # Running means over drafted batches (weight ``advantage_memory`` on the
         # past, about 1 / (1 - memory) batches): tokens the best prefix commits,
@@ -182,10 +192,12 @@ class BudgetController:
         # context-only one, its tree verified as far as it pays) is
         # exploration: its expected loss is kept within this share of the time.
         self.explore_share = 0.005
+        # >>> lookup
         # Declined lookup-only steps' exploration allowance (a share of a
         # step each), spent on verifying their best tree anyway.
         self._lookup_explore_credit = 0.0
         self.num_lookup_explorations = 0
+        # <<< lookup
         self._steps = 0
         self.retime_every = 512
 
@@ -385,7 +397,9 @@ class BudgetController:
         """[B + 1] int64 request-steps that got 0, 1, ..., B nodes (a new tensor;
         context-only steps count as 0)."""
         histogram = self._drafted_histogram.clone()
+        # >>> lookup
         histogram += torch.from_numpy(self._lookup_only_histogram).to(histogram.device)
+        # <<< lookup
         histogram[0] += self._skipped_request_steps
         return histogram
 
@@ -396,13 +410,19 @@ class BudgetController:
         total = sum(histogram)
         mean = sum(k * c for k, c in enumerate(histogram)) / max(total, 1)
         bins = ", ".join(f"{k}: {c}" for k, c in enumerate(histogram) if c)
-        return (
+        line = (
             f"DDTree auto budget: mean nodes per request-step {mean:.2f} over "
             f"{total} request-steps (nodes: request-steps {bins or '-'}); drafter "
             f"skipped {self.num_skipped_steps} of {self._steps} steps; draft depth "
-            f"{self.draft_depth}; lookup-only trees verified to explore "
+            f"{self.draft_depth}"
+        )
+        # >>> lookup
+        line += (
+            "; lookup-only trees verified to explore "
             f"{self.num_lookup_explorations}"
         )
+        # <<< lookup
+        return line
 
     # ------------------------------------------------------------------ #
     # Decisions
@@ -434,9 +454,13 @@ class BudgetController:
         if skip:
             self.num_skipped_steps += 1
             self._skipped_request_steps += num_reqs
+            # >>> lookup
             self._last_skipped = num_reqs
+            # <<< lookup
             return False
+        # >>> lookup
         self._last_skipped = 0
+        # <<< lookup
         self._drafted += 1
         if self._drafted % self.full_depth_every == 0 or not self._deepest:
             self.draft_depth = self.max_depth
@@ -453,7 +477,12 @@ class BudgetController:
         return self._node_price, self._grammar_factors
 
     def node_values(
-        self, tree: DraftTree, grammar_values=None, lookup_rows=None
+        self,
+        tree: DraftTree,
+        grammar_values=None,
+        # >>> lookup
+        lookup_rows=None,
+        # <<< lookup
     ) -> torch.Tensor:
         """[R, B] calibrated expected accepted tokens of ``tree``'s nodes;
         ``grammar_values`` as in :meth:`choose`, ``lookup_rows`` [Rl] (device)
@@ -463,6 +492,7 @@ class BudgetController:
         probs = torch.where(first < tree.num_nodes.unsqueeze(1), nodes.exp(), 0.0)
         depths = tree.depths[:, 1:]
         values = self.calibration.node_values(probs, depths)
+        # >>> lookup
         if lookup_rows is not None:
             lookup_factors = torch_utils.async_tensor_h2d(
                 self.lookup_calibration.factors(), device=probs.device
@@ -476,6 +506,7 @@ class BudgetController:
                     lookup_factors,
                 ),
             )
+        # <<< lookup
         if grammar_values is not None:
             rows, grammar_probs, grammar_depths = grammar_values
             values = values.index_copy(
@@ -484,7 +515,12 @@ class BudgetController:
         return values
 
     def prices(
-        self, tree: DraftTree, grammar_values=None, lookup_rows=None
+        self,
+        tree: DraftTree,
+        grammar_values=None,
+        # >>> lookup
+        lookup_rows=None,
+        # <<< lookup
     ) -> StepPrices | None:
         """What :meth:`choose` weighs for ``tree``'s batch (None while the cost
         models warm up); ``grammar_values``, ``lookup_rows`` as in
@@ -493,7 +529,13 @@ class BudgetController:
         full = self.full_pass_seconds(num_reqs, self.draft_depth)
         if not self.plain_step_cost.ready or full is None:
             return None
-        values = self.node_values(tree, grammar_values, lookup_rows)
+        values = self.node_values(
+            tree,
+            grammar_values,
+            # >>> lookup
+            lookup_rows,
+            # <<< lookup
+        )
         # Until a context-only pass was timed (the first one comes soon, see
         # draft_next), assume it saves nothing.
         context = self.context_drafter_cost.estimate(num_reqs)
@@ -501,6 +543,7 @@ class BudgetController:
         plain = float(self.plain_step_cost.predict(num_reqs))
         return StepPrices(values, full, context, plain)
 
+    # >>> lookup
     def observe_lookup_trees(
         self,
         path_probs: list[list[float]],
@@ -608,13 +651,16 @@ class BudgetController:
         self._skipped_request_steps -= min(self._last_skipped, num_reqs)
         self._last_skipped = 0
         return counts.tolist()
+    # <<< lookup
 
     def choose(
         self,
         tree: DraftTree,
         grammar_values=None,
+        # >>> lookup
         lookup_rows=None,
         lookup_only: list[UnionTree | None] | None = None,
+        # <<< lookup
     ) -> torch.Tensor:
         """[R] nodes to keep per request (a prefix of each tree).
 
@@ -631,7 +677,13 @@ class BudgetController:
         num_reqs = tree.num_reqs
         self._node_price = 0.0
         self._grammar_factors = None
-        prices = self.prices(tree, grammar_values, lookup_rows)
+        prices = self.prices(
+            tree,
+            grammar_values,
+            # >>> lookup
+            lookup_rows,
+            # <<< lookup
+        )
         if prices is None:
             return num_nodes  # warming up: the whole budget
         values, full, context, plain_target = prices
@@ -661,13 +713,12 @@ class BudgetController:
         # [s] a step without drafts: plain target step + context-only pass.
         plain_step = plain_target + context
         plain = num_reqs / plain_step
+        # >>> lookup
         # Without drafter passes the lookup trees are still verified: what
         # they commit per second is what drafting is weighed against.
-        lookup_rate = (
-            0.0
-            if lookup_only is None
-            else self._lookup_only_choice(lookup_only, context)[1]
-        )
+        if lookup_only is not None:
+            plain = max(plain, self._lookup_only_choice(lookup_only, context)[1])
+        # <<< lookup
 
         def deepest(n):  # the deepest node among each request's first n[r]
             return torch.where(first < n.unsqueeze(1), node_depths, 0).max()
@@ -692,7 +743,6 @@ class BudgetController:
                 drafted_nodes.float(),
             ]
         ).tolist()
-        plain = max(plain, lookup_rate)
         deepest_chosen = int(deepest_drafting)
         # This batch as a sample of drafting every step: its best prefix's step.
         seconds = float(verify[int(drafted_nodes)] + drafted_charges + full)

@@ -56,15 +56,6 @@ class DDTreeConfig:
     kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
-    lookup: Literal["auto", "suffix", "ngram", "off"] = "auto"
-    """Lookup drafts in the tree: tokens that followed the same context before
-    (the request's prompt and output, earlier responses), proposed beside the
-    drafter's and verified in the same pass. ``"suffix"``: SuffixDecoding trees
-    (arctic-inference, what vLLM's ``"suffix"`` method uses; its
-    ``suffix_decoding_*`` settings apply); ``"ngram"``: vLLM's n-gram matcher
-    over the request's own tokens; ``"off"``: the drafter's tree only.
-    ``"auto"`` resolves at start-up to ``"suffix"`` where arctic-inference is
-    installed, else ``"ngram"``."""
     # >>> auto budget
     budget_mode: Literal["auto", "fixed"] | None = None
     """``"auto"``: B is the largest budget; each step keeps, per request, the tree
@@ -76,6 +67,17 @@ class DDTreeConfig:
     Unset (None) resolves at start-up to ``"auto"``, or to ``"fixed"`` where auto
     is unsupported (tensor parallelism)."""
     # <<< auto budget
+    # >>> lookup
+    lookup: Literal["auto", "suffix", "ngram", "off"] = "auto"
+    """Lookup drafts in the tree: tokens that followed the same context before
+    (the request's prompt and output, earlier responses), proposed beside the
+    drafter's and verified in the same pass. ``"suffix"``: SuffixDecoding trees
+    (arctic-inference, what vLLM's ``"suffix"`` method uses; its
+    ``suffix_decoding_*`` settings apply); ``"ngram"``: vLLM's n-gram matcher
+    over the request's own tokens; ``"off"``: the drafter's tree only.
+    ``"auto"`` resolves at start-up to ``"suffix"`` where arctic-inference is
+    installed, else ``"ngram"``."""
+    # <<< lookup
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -98,10 +100,12 @@ DDTREE_KEYS = {
     "ddtree_threshold_acc": "threshold_acc",
     "ddtree_kernel_backend": "kernel_backend",
     "ddtree_max_children": "max_children",
-    "ddtree_lookup": "lookup",
     # >>> auto budget
     "ddtree_budget": "budget_mode",
     # <<< auto budget
+    # >>> lookup
+    "ddtree_lookup": "lookup",
+    # <<< lookup
 }
 
 
@@ -136,17 +140,19 @@ def _validate(cfg: DDTreeConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ValueError(f"ddtree_{name} must be in (0, 1], got {value!r}")
-    if cfg.lookup not in ("auto", "suffix", "ngram", "off"):
-        raise ValueError(
-            "ddtree_lookup must be 'auto', 'suffix', 'ngram' or 'off', got "
-            f"{cfg.lookup!r}"
-        )
     # >>> auto budget
     if cfg.budget_mode not in (None, "auto", "fixed"):
         raise ValueError(
             f"ddtree_budget must be 'auto' or 'fixed', got {cfg.budget_mode!r}"
         )
     # <<< auto budget
+    # >>> lookup
+    if cfg.lookup not in ("auto", "suffix", "ngram", "off"):
+        raise ValueError(
+            "ddtree_lookup must be 'auto', 'suffix', 'ngram' or 'off', got "
+            f"{cfg.lookup!r}"
+        )
+    # <<< lookup
     if cfg.kernel_backend not in ("auto", "cuda", "triton", "torch"):
         raise ValueError(
             "ddtree_kernel_backend must be 'auto', 'cuda', 'triton' or 'torch', got "
@@ -272,9 +278,10 @@ def resolve_ddtree_config(
                 "number of positions the DFlash drafter predicts, block_size - 1)"
             )
         draft_len = int(block) - 1
-    resolved = dataclasses.replace(
-        ddtree, draft_len=draft_len, lookup=resolve_lookup(ddtree.lookup)
-    )
+    resolved = dataclasses.replace(ddtree, draft_len=draft_len)
+    # >>> lookup
+    resolved = dataclasses.replace(resolved, lookup=resolve_lookup(resolved.lookup))
+    # <<< lookup
     from vllm.logger import init_logger
 
     # vLLM's engine log names the method its DFlash plumbing runs ("dflash"):
@@ -287,6 +294,7 @@ def resolve_ddtree_config(
     return resolved
 
 
+# >>> lookup
 def resolve_lookup(lookup: str) -> str:
     """``ddtree_lookup`` as served: ``"auto"`` becomes ``"suffix"`` where
     arctic-inference imports, else ``"ngram"``; ``"suffix"`` without it is
@@ -302,6 +310,7 @@ def resolve_lookup(lookup: str) -> str:
             "ddtree_lookup='ngram' or 'auto'"
         )
     return "ngram" if lookup == "auto" else lookup
+# <<< lookup
 
 
 def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:

@@ -189,8 +189,8 @@ class ProposedTrees:
         """A pass without drafts (the auto budget skipped the drafter): the
         structured requests at batch rows ``rows`` get trees of the tokens their
         grammar forces, candidates with no drafted position (``make_candidates``
-        as in :meth:`put`); after :meth:`put` of the step's lookup trees, or
-        :meth:`clear`."""
+        as in :meth:`put`); after :meth:`put` (the step's lookup-only trees)
+        or :meth:`clear`."""
         for b in rows:
             self._candidates[req_ids[b]] = make_candidates(b, [], [])
 

@@ -55,6 +55,7 @@ class DDTreeProposer(DFlashProposer):
         # budget): the grammar may rule out the drafter's first choices, and a
         # node's distribution is renormalised over the allowed candidates.
         self.grammar_top_k = max(2 * ddtree.budget, 64)
+        # >>> lookup
         # Batch rows with a lookup draft this pass (set by the verifier), and
         # their drafter candidates (rows, log-probs [Rl, depth, K], target ids),
         # K as the drafter's own tree: the union tree is built on the host.
@@ -62,6 +63,7 @@ class DDTreeProposer(DFlashProposer):
         self.last_lookup_candidates: (
             tuple[list[int], torch.Tensor, torch.Tensor] | None
         ) = None
+        # <<< lookup
         # Positions drafted this pass (<= draft_len).
         self.draft_depth = self.draft_len
         # >>> auto budget
@@ -146,7 +148,9 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = None
         self.last_tree = None
         self.last_candidates = None
+        # >>> lookup
         self.last_lookup_candidates = None
+        # <<< lookup
         # >>> auto budget
         # A step without drafts never gets here: DDTreeVerifier.skip_drafter
         # queues its context K/V (defer_context) and returns no drafts.
@@ -160,13 +164,16 @@ class DDTreeProposer(DFlashProposer):
         logits = logits.view(num_reqs, self.draft_depth, -1)
         self.last_tree = self._to_target_ids(self._build_tree(logits, next_token_ids))
         # Structured requests' rows: the scheduler builds their trees with
-        # their grammars; lookup rows: the verifier builds their union trees.
+        # their grammars.
         self.last_candidates = self._candidates(
             logits, self.candidate_rows, self.grammar_top_k
         )
+        # >>> lookup
+        # Lookup rows: the verifier builds their union trees.
         self.last_lookup_candidates = self._candidates(
             logits, self.lookup_rows, self.ddtree.max_children or self.ddtree.budget
         )
+        # <<< lookup
         self._draft_logits = None
         return self.last_tree.tokens[:, 1:]
 

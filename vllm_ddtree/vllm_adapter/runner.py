@@ -62,7 +62,9 @@ from vllm_ddtree.verify import verify_tree
 from vllm_ddtree.vllm_adapter import attn_context
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.vllm_adapter.draft_trees import ProposedTrees, chain_parents
+# >>> lookup
 from vllm_ddtree.vllm_adapter.lookup_step import BatchLookup
+# <<< lookup
 from vllm_ddtree.vllm_adapter.step import StepTrees, build_step_trees
 from vllm_ddtree.vllm_adapter.structured_output import GrammarCandidates
 
@@ -119,10 +121,12 @@ class DDTreeVerifier:
         # Requests whose scheduled drafts came without a tree (verified as a
         # chain): vLLM padded or replaced them.
         self.num_chain_fallbacks = 0
+        # >>> lookup
         # Lookup drafts beside the drafter's (``ddtree_lookup``), or None.
         self.lookup: BatchLookup | None = _make_lookup(runner.vllm_config, ddtree)
         # Batch rows whose trees this pass are union trees.
         self._lookup_rows: list[int] = []
+        # <<< lookup
         # >>> auto budget
         self.budget = None
         if ddtree.budget_mode == "auto":
@@ -248,16 +252,14 @@ class DDTreeVerifier:
         sent are forgotten (the worker keeps no tree across steps: what it
         verifies comes with the scheduler's output)."""
         self.proposed.clear()
-        for req_ids in (
-            scheduler_output.finished_req_ids,
-            scheduler_output.preempted_req_ids,
-        ):
-            if self.lookup is not None:
-                self.lookup.forget(req_ids or ())
-            # >>> auto budget
-            for req_id in req_ids or ():
-                self._grammar_trees.pop(req_id, None)
-            # <<< auto budget
+        # >>> lookup
+        if self.lookup is not None:
+            self.lookup.forget(_finished_or_preempted(scheduler_output))
+        # <<< lookup
+        # >>> auto budget
+        for req_id in _finished_or_preempted(scheduler_output):
+            self._grammar_trees.pop(req_id, None)
+        # <<< auto budget
 
     def prepare_tree_inputs(self, scheduler_output, spec_decode_metadata) -> None:
         """End of ``_prepare_inputs``: the trees of the scheduled drafts, their
@@ -451,7 +453,9 @@ class DDTreeVerifier:
     def before_propose(
         self,
         aux_hidden_states: list[torch.Tensor] | None,
+        # >>> lookup
         sampled_token_ids: torch.Tensor | None = None,
+        # <<< lookup
     ) -> list[torch.Tensor] | None:
         """Start of ``propose_draft_token_ids``: the drafter's inputs from the
         committed path (linear positions restored), and this step's lookup
@@ -465,9 +469,11 @@ class DDTreeVerifier:
         runner = self.runner
         # Structured requests' rows, from this step's scan in sample().
         runner.drafter.candidate_rows = self._structured_rows
+        # >>> lookup
         runner.drafter.lookup_rows = self._lookup_rows = []
         if self.lookup is not None and sampled_token_ids is not None:
             self._step_lookup(sampled_token_ids)
+        # <<< lookup
         plan = self._plan
         if plan is not None:
             total = plan.hidden_perm.shape[0]
@@ -480,6 +486,7 @@ class DDTreeVerifier:
                 ]
         return aux_hidden_states
 
+    # >>> lookup
     def _step_lookup(self, sampled_token_ids: torch.Tensor) -> None:
         """The lookup's part of a step: what the target did with the verified
         lookup nodes, then this step's lookup trees (host work; one read of the
@@ -509,6 +516,7 @@ class DDTreeVerifier:
         self._lookup_rows = self.lookup.rows(excluded=self._structured_rows)
         runner.drafter.lookup_rows = self._lookup_rows
 
+    # <<< lookup
     # >>> auto budget
     def skip_drafter(
         self, scheduler_output, hidden_states, aux_hidden_states, common_attn_metadata
@@ -561,6 +569,7 @@ class DDTreeVerifier:
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         draft = torch.empty(num_reqs, 0, dtype=torch.int64, device=runner.device)
         self.proposed.clear()
+        # >>> lookup
         if self._lookup_rows:
             # No drafter pass, but the lookup trees cost only their rows: built,
             # valued and cut on the host, then one copy to the device.
@@ -574,6 +583,7 @@ class DDTreeVerifier:
             if tree is not None:
                 draft = self.proposed.put(req_ids, tree)
             self._drafter_seconds += time.perf_counter() - started
+        # <<< lookup
         # Structured requests still get the tokens their grammar forces: the
         # scheduler builds those trees without drafter candidates.
         self.proposed.put_forced_only(
@@ -596,20 +606,21 @@ class DDTreeVerifier:
             # real nodes only, and the stash finds the whole tree again.
             tree = drafter.last_tree
             req_ids = list(runner.input_batch.req_ids[:num_reqs])
+            # >>> lookup
             lookup_rows = []
             if self.lookup is not None:
                 tree, lookup_rows = self.lookup.union_trees(
                     req_ids, tree, drafter.last_lookup_candidates
                 )
+            # <<< lookup
             # >>> auto budget
             if self.budget is not None:
+                values = [self._grammar_values(tree)]
+                # >>> lookup
+                values += self._lookup_values(req_ids, lookup_rows, tree.tokens.device)
+                # <<< lookup
                 tree = dataclasses.replace(
-                    tree,
-                    num_nodes=self.budget.choose(
-                        tree, self._grammar_values(tree), *self._lookup_values(
-                            req_ids, lookup_rows, tree.tokens.device
-                        )
-                    ),
+                    tree, num_nodes=self.budget.choose(tree, *values)
                 )
             # <<< auto budget
             draft = self.proposed.put(
@@ -620,7 +631,9 @@ class DDTreeVerifier:
             )
             drafter.last_tree = None
             drafter.last_candidates = None
+            # >>> lookup
             drafter.last_lookup_candidates = None
+            # <<< lookup
         # >>> auto budget
         budget = self.budget
         if budget is not None:
@@ -669,6 +682,7 @@ class DDTreeVerifier:
             torch_utils.async_tensor_h2d(depths, device=device),
         )
 
+    # >>> lookup
     def _lookup_values(self, req_ids, lookup_rows, device):
         """(rows holding union trees [Rl] or None, the batch's lookup-only
         trees or None): what :meth:`BudgetController.choose` values the lookup
@@ -682,6 +696,7 @@ class DDTreeVerifier:
         alternative = self.lookup.lookup_only_unions(lookup_rows)
         return rows, [u and u[0] for u in alternative]
 
+    # <<< lookup
     # <<< auto budget
     def _grammar_candidates(
         self, row: int, log_probs: list[list[float]], token_ids: list[list[int]]
@@ -705,6 +720,7 @@ class DDTreeVerifier:
         return self.proposed.attach(draft_token_ids)
 
 
+# >>> lookup
 def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
     """The worker's lookup (``ddtree_lookup``, resolved at start-up), with
     vLLM's ``suffix_decoding_*`` settings, or None when off."""
@@ -743,6 +759,7 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
         ddtree.budget,
     )
     return BatchLookup(source, ddtree.budget)
+# <<< lookup
 
 
 # >>> auto budget
@@ -1037,6 +1054,7 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
     grammar = torch.zeros(tree.num_reqs, dtype=torch.bool)
     union = torch.zeros(tree.num_reqs, dtype=torch.bool)
+    # >>> lookup
     if verifier.lookup is not None:
         req_ids = verifier.runner.input_batch.req_ids[: tree.num_reqs]
         union = torch.tensor(
@@ -1045,6 +1063,7 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
             ),
             dtype=torch.bool,
         )
+    # <<< lookup
     for b, n in enumerate(step.num_drafts):
         scheduled = step.scheduled[b] if step.scheduled else None
         if n == 0 or scheduled is None or scheduled.path_probs is None:
@@ -1060,8 +1079,11 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
         )
         # Requests verified as a chain (no path probabilities) count nowhere;
         # grammar-built trees (probabilities renormalised over the allowed
-        # tokens) and trees holding lookup nodes have their own calibrations
-        # (the lookup's on the host, fed in before_propose).
+        # tokens) have their own calibration.
+        # >>> lookup
+        # So do trees holding lookup nodes (union rows; the lookup's
+        # calibration is on the host, fed in before_propose).
+        # <<< lookup
         reached = verified.any(dim=1)
         for calibration, rows in (
             (verifier.budget.calibration, reached & ~grammar & ~union),
@@ -1074,6 +1096,14 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
 
 
 # <<< auto budget
+
+
+def _finished_or_preempted(scheduler_output) -> list[str]:
+    """The requests that left the batch this step."""
+    return [
+        *(scheduler_output.finished_req_ids or ()),
+        *(scheduler_output.preempted_req_ids or ()),
+    ]
 
 
 _ROOT_TREES: dict[tuple[int, str], object] = {}
