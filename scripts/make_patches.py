@@ -111,6 +111,9 @@ ADAPTER_FILES = {
     )
 }
 ADAPTER_FILES["vllm_ddtree/grammar_tree.py"] = f"{INTREE}/grammar_tree.py"
+# Lookup drafts and their mixture rule serve the grammar span memory's hints
+# (integration); the union trees of lookup drafts come with the lookup commit.
+ADAPTER_FILES["vllm_ddtree/lookup_tree.py"] = f"{INTREE}/lookup_tree.py"
 # Features after the integration commit, in series order, each a commit of its
 # own: the auto budget (``ddtree_budget="auto"``), then lookup drafts
 # (``ddtree_lookup``). A feature's commit brings its modules (FEATURE_FILES), the
@@ -130,7 +133,6 @@ FEATURE_FILES = {
     LOOKUP: {
         "vllm_ddtree/vllm_adapter/lookup.py": f"{INTREE}/lookup.py",
         "vllm_ddtree/vllm_adapter/lookup_step.py": f"{INTREE}/lookup_step.py",
-        "vllm_ddtree/lookup_tree.py": f"{INTREE}/lookup_tree.py",
         "vllm_ddtree/lookup_calibration.py": f"{INTREE}/lookup_calibration.py",
     },
 }

@@ -19,6 +19,7 @@ from test_tree_bitmask import VOCAB, compiler  # noqa: E402, F401
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
 
 from vllm_ddtree.grammar_tree import GrammarCursor, build_grammar_tree  # noqa: E402
+from vllm_ddtree.lookup_tree import LookupDraft  # noqa: E402
 
 ALPHABET = list(b"abc-0123456789x{}\":")
 
@@ -51,16 +52,24 @@ def allowed_tokens(grammar) -> list[int]:
     return out
 
 
-def brute_force(grammar, log_probs, token_ids, budget):
-    """Every grammar-valid path of candidates, scored with each depth's
-    candidates renormalised over those the grammar allows after the path (a
-    token the grammar forces: probability 1); the top ``budget`` by score."""
+def brute_force(grammar, log_probs, token_ids, budget, lookup=None, max_depth=None):
+    """Every grammar-valid path, scored with each depth's candidates
+    renormalised over those the grammar allows after the path (a token the
+    grammar forces: probability 1) and, on the lookup tree, mixed with the
+    lookup children the grammar allows: p(t) = a_t + (1 - A) q'(t); the top
+    ``budget`` by score."""
     depth_limit = log_probs.shape[0]
+    max_depth = depth_limit if max_depth is None else max_depth
+    kids = {}
+    if lookup is not None:
+        for i, parent in enumerate(lookup.parents):
+            kids.setdefault(parent, []).append(i)
     scored = {}
-    frontier = [((), 0.0)]
-    for depth in range(depth_limit):
+    # (path, score, lookup node or None when off the lookup tree)
+    frontier = [((), 0.0, -1 if lookup is not None else None)]
+    for depth in range(max_depth):
         nxt = []
-        for path, score in frontier:
+        for path, score, node in frontier:
             assert grammar.accept_tokens("r", list(path))
             if grammar.is_terminated():
                 grammar.rollback(len(path))
@@ -68,23 +77,31 @@ def brute_force(grammar, log_probs, token_ids, budget):
             allowed = allowed_tokens(grammar)
             if path:
                 grammar.rollback(len(path))
+            mine = {} if node is None else {
+                int(lookup.tokens[c]): c for c in kids.get(node, [])
+                if int(lookup.tokens[c]) in allowed
+            }
             if len(allowed) == 1:
-                child = (path + (allowed[0],), score)
-                scored[child[0]] = child[1]
-                nxt.append(child)
+                t = allowed[0]
+                nxt.append((path + (t,), score, mine.get(t)))
                 continue
-            ok = np.isin(token_ids[depth], allowed)
-            if not ok.any():
-                continue
-            lp = log_probs[depth][ok]
-            norm = np.logaddexp.reduce(lp)
-            for t, v in zip(token_ids[depth][ok], lp, strict=True):
-                child = (path + (int(t),), score + float(v - norm))
-                scored[child[0]] = child[1]
-                nxt.append(child)
+            q = {}
+            if depth < depth_limit:
+                ok = np.isin(token_ids[depth], allowed)
+                if ok.any():
+                    lp = log_probs[depth][ok]
+                    q = {int(t): math.exp(v - np.logaddexp.reduce(lp))
+                         for t, v in zip(token_ids[depth][ok], lp, strict=True)}
+            rest = 1.0 - sum(lookup.probs[c] for c in mine.values())
+            for t in set(q) | set(mine):
+                p = (lookup.probs[mine[t]] if t in mine else 0.0) + rest * q.get(t, 0.0)
+                if p > 0:
+                    nxt.append((path + (t,), score + math.log(min(p, 1.0)), mine.get(t)))
+        for path, score, _ in nxt:
+            scored[path] = score
         frontier = nxt
     best = sorted(scored.items(), key=lambda kv: -kv[1])[:budget]
-    return {p for p, _ in best}
+    return {p for p, _ in best}, scored
 
 
 def tree_paths(tree):
@@ -115,7 +132,7 @@ def test_the_tree_is_the_top_b_of_reachable_paths(compiler, seed):  # noqa: F811
     # Parents first, scores non-increasing along each path and in node order.
     assert all(tree.parents[i] < i for i in range(1, len(paths)))
     assert all(a >= b - 1e-12 for a, b in itertools.pairwise(tree.log_scores))
-    want = brute_force(grammar, log_probs, token_ids, budget)
+    want, _ = brute_force(grammar, log_probs, token_ids, budget)
     assert set(paths[1:]) == want
     assert 0 < tree.num_nodes <= budget
 
@@ -154,10 +171,49 @@ def test_a_terminated_path_has_no_children(compiler):  # noqa: F811
                for i in range(1, 3))
 
 
+def random_lookup(rng, nodes, alphabet):
+    """A random lookup tree over ``alphabet``: distinct tokens per parent,
+    sibling probabilities summing to at most 1."""
+    tokens, parents, probs = [], [], []
+    for i in range(nodes):
+        parent = int(rng.integers(-1, i)) if i else -1
+        used = {tokens[j] for j in range(i) if parents[j] == parent}
+        token = int(rng.choice([t for t in alphabet if t not in used]))
+        mass = sum(probs[j] for j in range(i) if parents[j] == parent)
+        tokens.append(token)
+        parents.append(parent)
+        probs.append(float(rng.uniform(0.05, 1.0)) * (1.0 - mass))
+    return LookupDraft(tokens, parents, probs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_lookup_draft_is_merged_by_the_union_rule(compiler, seed):  # noqa: F811
+    """With a lookup draft (the span memory's hints; here random trees whose
+    nodes the grammar may reject), the tree is the exact top-B under p(t) =
+    a_t + (1 - A) q'(t) on the lookup tree (brute force), past the drafter's
+    depth where the lookup reaches."""
+    rng = np.random.default_rng(100 + seed)
+    grammar = grammar_for(compiler, r"[a-c]{2}(-[0-9]{1,3}){1,3}x", b"ab")
+    log_probs, token_ids = drafter_top_k(rng, depth=3, k=6)
+    lookup = random_lookup(rng, nodes=12, alphabet=list(b"-0123x"))
+    tree = build_grammar_tree(log_probs, token_ids, 12, ord("b"),
+                              GrammarCursor(grammar, VOCAB), max_depth=6,
+                              lookup=lookup)
+    _, scored = brute_force(grammar, log_probs, token_ids, 12, lookup, max_depth=6)
+    paths = tree_paths(tree)
+    # Each node scored as the rule says; the nodes are the top 12 (ties at
+    # the cut may pick either path).
+    for path, got in zip(paths[1:], tree.log_scores[1:], strict=True):
+        assert math.isclose(got, scored[path], abs_tol=1e-9), path
+    top = sorted(scored.values(), reverse=True)[: tree.num_nodes]
+    assert tree.log_scores[1:] == pytest.approx(top)
+    assert tree.num_nodes == min(12, len(scored))
+
+
 def test_a_hint_takes_its_probability_and_reaches_past_the_drafter(compiler):  # noqa: F811
-    """A hint of 6 tokens, the drafter 2 positions deep: the hint's path is in
-    the tree with each token's hint_probs entry (past depth 2), the drafter's
-    allowed candidates share the rest at the depths the hint passes through."""
+    """A hint of 6 tokens (a one-path lookup draft), the drafter 2 positions
+    deep: at a depth the drafter reaches, the hint's token takes its
+    probability plus the drafter's share of the rest; past it, its own."""
     grammar = grammar_for(compiler, r"[a-c]{8}")
     log_probs = np.log(np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]))
     token_ids = np.array([[ord("a"), ord("b"), ord("9")], [ord("c"), ord("b"), ord("a")]])
@@ -165,16 +221,16 @@ def test_a_hint_takes_its_probability_and_reaches_past_the_drafter(compiler):  #
     probs = [0.9, 0.8, 0.9, 0.7, 0.9, 0.6]
     tree = build_grammar_tree(log_probs, token_ids, 10, ord("x"),
                               GrammarCursor(grammar, VOCAB), max_depth=10,
-                              hint=hint, hint_probs=probs)
+                              lookup=LookupDraft.chain(hint, probs))
     paths = tree_paths(tree)
     score = dict(zip(paths, tree.log_scores, strict=True))
+    # Root: 'a' and 'b' allowed ('9' is not): q' = 0.625, 0.375.
+    path_probs = [0.9 + 0.1 * 0.375, 0.8 + 0.2 * 0.6, *probs[2:]]
     for k in range(1, len(hint) + 1):
-        assert math.isclose(score[tuple(hint[:k])], math.log(math.prod(probs[:k]))), k
-    # Root: 'a' is the only other allowed candidate ('9' is not, 'b' is the
-    # hint's): all of the remaining 0.1.
-    assert math.isclose(score[(ord("a"),)], math.log(0.1))
-    # Depth 2 under the hint's 'b': 'b' and 'a' share 0.2 as 0.3 : 0.1.
-    assert math.isclose(score[(ord("b"), ord("b"))], math.log(0.9 * 0.2 * 0.75))
+        assert math.isclose(score[tuple(hint[:k])], math.log(math.prod(path_probs[:k])))
+    assert math.isclose(score[(ord("a"),)], math.log(0.1 * 0.625))
+    # Depth 2 under the hint's 'b': 'b' gets the drafter's share of 0.2.
+    assert math.isclose(score[(ord("b"), ord("b"))], math.log(path_probs[0] * 0.2 * 0.3))
     assert tree.num_nodes == 10
 
 
@@ -184,10 +240,9 @@ def test_a_hint_stops_where_the_grammar_rejects_it(compiler):  # noqa: F811
     token_ids = np.zeros((0, 0), dtype=np.int64)
     tree = build_grammar_tree(log_probs, token_ids, 10, ord("x"),
                               GrammarCursor(grammar, VOCAB), max_depth=10,
-                              hint=list(b"ab9c"), hint_probs=[0.8] * 4)
+                              lookup=LookupDraft.chain(b"ab9c", [0.8] * 4))
     # No drafted position: the tree is the hint's allowed prefix alone.
     assert tree.tokens[1:] == list(b"ab") and tree.parents[1:] == [0, 1]
-    for bad in ([1.0], []):
-        with pytest.raises(ValueError, match="hint_probs"):
-            build_grammar_tree(log_probs, token_ids, 10, ord("x"),
-                               GrammarCursor(grammar, VOCAB), hint=[1], hint_probs=bad)
+    for bad in ([1.5], []):
+        with pytest.raises(ValueError, match="probabilit"):
+            LookupDraft.chain([1], bad)

@@ -17,13 +17,15 @@ https://arxiv.org/abs/2604.12989, Prop. 2). Ties break as in the
 drafter's tree builder (:mod:`vllm_ddtree.tree`): (-score, depth, parent
 position in its depth, rank).
 
-A *hint* (a token path from the root, e.g. what the target emitted the last
-time its grammar was in this state,
-:mod:`vllm_ddtree.vllm_adapter.grammar_spans`) is proposed next to the
-drafter's candidates: while a node lies on the hint, its hint child (the
-hint's i-th token) takes probability ``hint_probs[i]`` and the drafter's
-allowed candidates share the rest. Like forced runs, a hint continues past the
-drafter's depth.
+A lookup draft (:class:`~vllm_ddtree.lookup_tree.LookupDraft`; here the
+grammar span memory's hint, what the target emitted the last time its grammar
+was in this state, :mod:`vllm_ddtree.vllm_adapter.grammar_spans`) is merged
+as in the union trees of :mod:`vllm_ddtree.lookup_tree`, by the same rule
+(:func:`~vllm_ddtree.lookup_tree.mixture_log_prob`): at a node on the lookup
+tree, its lookup children the grammar allows take their probabilities ``a_t``
+and the drafter's allowed candidates share the rest, ``p(t) = a_t + (1 - A)
+q'(t)`` with ``q'`` the drafter's distribution renormalised over the allowed
+candidates. Like forced runs, lookup paths continue past the drafter's depth.
 
 Lossless whatever the tree: verification masks the target with the same
 grammar, so the tree only decides what is *proposed*.
@@ -45,6 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vllm_ddtree.lookup_tree import LookupDraft, drafter_share, mixture_log_prob
 
 __all__ = [
     "GrammarCursor",
@@ -140,8 +144,7 @@ def build_grammar_tree(
     root_token: int,
     grammar_at: Callable[[Sequence[int]], NodeGrammar | None],
     max_depth: int | None = None,
-    hint: Sequence[int] = (),
-    hint_probs: Sequence[float] = (),
+    lookup: LookupDraft | None = None,
 ) -> GrammarTree:
     """The top-``budget`` grammar-guided tree of one request.
 
@@ -154,11 +157,10 @@ def build_grammar_tree(
         grammar_at: the grammar after a path of draft tokens (root excluded),
             or None when it is terminated there (:class:`GrammarCursor`).
         max_depth: the deepest node; beyond the drafter's L only tokens the
-            grammar forces, and the hint's, are added (default L: none beyond
-            it).
-        hint: token path from the root, proposed as far as the grammar allows.
-        hint_probs: the probability of each hint token given the ones
-            before it, in (0, 1), one per hint token.
+            grammar forces, and the lookup's, are added (default L: none
+            beyond it).
+        lookup: a lookup draft from the root (e.g. the grammar span memory's
+            hint), proposed as far as the grammar allows.
 
     Returns:
         The tree, in best-first order (parents before children), with each
@@ -172,64 +174,70 @@ def build_grammar_tree(
     tree = GrammarTree([int(root_token)], [-1], [0.0], [root_row], [0])
     if budget <= 0 or root_row is None:
         return tree
-    hint = [int(t) for t in hint]
-    if len(hint_probs) < len(hint) or not all(0 < p < 1 for p in hint_probs):
-        raise ValueError(
-            "need one hint_probs entry in (0, 1) per hint token, got "
-            f"{list(hint_probs)} for {len(hint)} tokens"
-        )
-    hint_lp = [math.log(p) for p in hint_probs]
-    rest_lp = [math.log1p(-p) for p in hint_probs]
+    kids = lookup.children() if lookup is not None else {}
     paths: list[tuple[int, ...]] = [()]
-    on_hint = [bool(hint)]  # the node's path is a prefix of the hint
+    # The lookup node each tree node is (-1: none; the root: -1 too), and
+    # whether its path lies on the lookup tree.
+    lookup_nodes = [-1]
+    on_lookup = [lookup is not None]
     order_in_depth = [0]  # position of a node among popped nodes of its depth
     popped_per_depth: dict[int, int] = {}
-    heap: list[tuple[float, int, int, int, int, int]] = []
+    heap: list[tuple] = []
 
     def push_children(node: int) -> None:
         row = tree.rows[node]
         depth = tree.depths[node]
         if row is None or depth >= max_depth:
             return
-        hinted = None
-        if on_hint[node] and depth < len(hint):
-            hinted = hint[depth]
-            if not row.allows(np.array([hinted]))[0]:
-                hinted = None
+        lookup_kids = kids.get(lookup_nodes[node], []) if on_lookup[node] else []
+        if lookup_kids:
+            kid_tokens = np.array([int(lookup.tokens[c]) for c in lookup_kids])
+            allowed = row.allows(kid_tokens)
+            lookup_kids = [c for c, ok in zip(lookup_kids, allowed, strict=True) if ok]
+        children: list[tuple[int, float, int]] = []  # (token, log p, lookup node)
         if row.forced is not None:
-            children = [(row.forced, 0.0)]
+            same = [c for c in lookup_kids if int(lookup.tokens[c]) == row.forced]
+            children = [(row.forced, 0.0, same[0] if same else -1)]
         else:
-            children = [] if hinted is None else [(hinted, hint_lp[depth])]
-            shared = 0.0 if hinted is None else rest_lp[depth]
+            share = drafter_share([lookup.probs[c] for c in lookup_kids])
+            drafted: dict[int, float] = {}  # allowed candidate -> log q'(t)
             if depth < depth_limit:
                 cand = token_ids[depth]
                 ok = row.allows(cand)
-                if hinted is not None:
-                    ok &= cand != hinted
                 lp = log_probs[depth][ok]
                 if lp.size:
-                    norm = float(np.logaddexp.reduce(lp)) - shared
-                    # Best first: a child ranked below the nodes still to add
-                    # can never be added (each better sibling takes one first).
-                    room = budget - tree.num_nodes - len(children)
-                    children += [
-                        (int(t), float(v) - norm)
-                        for t, v in zip(cand[ok][:room], lp[:room], strict=True)
-                    ]
+                    norm = float(np.logaddexp.reduce(lp))
+                    drafted = {
+                        int(t): float(v) - norm
+                        for t, v in zip(cand[ok], lp, strict=True)
+                    }
+            for c in lookup_kids:
+                token = int(lookup.tokens[c])
+                lp_c = mixture_log_prob(
+                    lookup.probs[c], share, drafted.pop(token, -math.inf)
+                )
+                children.append((token, lp_c, c))
+            if share > -math.inf:
+                # Best first: a child ranked below the nodes still to add can
+                # never be added (each better sibling takes one first).
+                room = max(budget - tree.num_nodes - len(children), 0)
+                children += [(t, share + v, -1) for t, v in list(drafted.items())[:room]]
             if not children:
                 return
         base = tree.log_scores[node]
-        for rank, (token, lp) in enumerate(children):
+        for rank, (token, lp, lookup_node) in enumerate(children):
             score = base + lp
             if score == -math.inf:
                 continue
             heapq.heappush(
-                heap, (-score, depth + 1, order_in_depth[node], rank, node, token)
-            )
+                heap,
+                (-score, depth + 1, order_in_depth[node], rank, node, token,
+                 lookup_node),
+            )  # fmt: skip
 
     push_children(0)
     while heap and tree.num_nodes < budget:
-        neg, depth, _, _, parent, token = heapq.heappop(heap)
+        neg, depth, _, _, parent, token, lookup_node = heapq.heappop(heap)
         path = paths[parent] + (token,)
         node = len(tree.tokens)
         tree.tokens.append(token)
@@ -238,9 +246,8 @@ def build_grammar_tree(
         tree.rows.append(grammar_at(path))
         paths.append(path)
         tree.depths.append(depth)
-        on_hint.append(
-            on_hint[parent] and depth <= len(hint) and hint[depth - 1] == token
-        )
+        lookup_nodes.append(lookup_node)
+        on_lookup.append(lookup_node >= 0)
         order_in_depth.append(popped_per_depth.get(depth, 0))
         popped_per_depth[depth] = order_in_depth[-1] + 1
         push_children(node)

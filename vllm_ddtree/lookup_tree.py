@@ -41,15 +41,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
+    # >>> lookup
     "FROM_DRAFTER",
     "FROM_LOOKUP",
+    # <<< lookup
     "LookupDraft",
+    # >>> lookup
     "UnionTree",
     "build_union_tree",
+    # <<< lookup
+    "drafter_share",
+    "mixture_log_prob",
 ]
+# >>> lookup
 
 FROM_DRAFTER = 1  # a node the drafter's candidates proposed
 FROM_LOOKUP = 2  # a node the lookup tree proposed (both: 3)
+# <<< lookup
 
 
 @dataclass
@@ -97,6 +105,13 @@ class LookupDraft:
                 f"lookup children's probabilities sum past 1 under parents {over}"
             )
 
+    @classmethod
+    def chain(cls, tokens: Sequence[int], probs: Sequence[float]) -> LookupDraft:
+        """A one-path draft: ``tokens[i]`` the child of ``tokens[i - 1]``, with
+        probability ``probs[i]`` given the ones before."""
+        tokens = [int(t) for t in tokens]
+        return cls(tokens, list(range(-1, len(tokens) - 1)), list(probs[: len(tokens)]))
+
     def depths(self) -> np.ndarray:
         """[n] int64 each node's depth (a child of the root: 1)."""
         depths = np.empty(len(self.tokens), dtype=np.int64)
@@ -115,6 +130,27 @@ class LookupDraft:
         return kids
 
 
+def drafter_share(lookup_probs: Sequence[float]) -> float:
+    """``log(1 - A)``: the log of what a node's lookup children (of
+    probabilities ``lookup_probs``, summing to ``A``) leave to the drafter's
+    candidates (-inf when nothing)."""
+    taken = float(sum(lookup_probs))
+    return math.log1p(-taken) if taken < 1.0 else -math.inf
+
+
+def mixture_log_prob(lookup_prob: float, share: float, drafter_log_prob: float) -> float:
+    """``log p(t | v) = log(a_t + (1 - A) q(t))``: a lookup child's score given
+    its parent (``lookup_prob`` a_t; ``share`` :func:`drafter_share`;
+    ``drafter_log_prob`` log q(t), -inf where the drafter does not propose t).
+    The rule of every tree with lookup nodes (:func:`build_union_tree`, and the
+    grammar-built trees' hints, :mod:`vllm_ddtree.grammar_tree`)."""
+    prob = lookup_prob
+    if drafter_log_prob > -math.inf and share > -math.inf:
+        prob += math.exp(share + drafter_log_prob)
+    return math.log(min(prob, 1.0))
+
+
+# >>> lookup
 @dataclass
 class UnionTree:
     """One request's tree in best-first order (node 0 the root, parents before
@@ -218,8 +254,7 @@ def build_union_tree(
     def push_children(node: int) -> None:
         depth = tree.depths[node]
         lookup_kids = kids.get(tree.lookup_nodes[node], []) if on_lookup[node] else []
-        taken = sum(lookup.probs[c] for c in lookup_kids) if lookup_kids else 0.0
-        share = math.log1p(-min(taken, 1.0)) if taken < 1.0 else -math.inf
+        share = drafter_share([lookup.probs[c] for c in lookup_kids])
         shares.append(share)
         taken_tokens.append({int(lookup.tokens[c]) for c in lookup_kids})
         first_rank.append(len(lookup_kids))
@@ -228,7 +263,6 @@ def build_union_tree(
         candidates = cand_of[depth] if depth < depth_limit else {}
         for rank, c in enumerate(lookup_kids):
             token = int(lookup.tokens[c])
-            prob = lookup.probs[c]
             source = FROM_LOOKUP
             drafter_lp = (
                 candidates.get(token, -math.inf)
@@ -237,9 +271,8 @@ def build_union_tree(
             )
             if token in candidates:
                 source |= FROM_DRAFTER
-            if drafter_lp > -math.inf and share > -math.inf:
-                prob += math.exp(share + drafter_lp)
-            push(node, math.log(min(prob, 1.0)), rank, token, source, c, -1)
+            lp = mixture_log_prob(lookup.probs[c], share, drafter_lp)
+            push(node, lp, rank, token, source, c, -1)
         if share > -math.inf and depth < depth_limit:
             push_drafter(node, 0)
 
@@ -259,3 +292,4 @@ def build_union_tree(
         if r >= 0:
             push_drafter(parent, r + 1)
     return tree
+# <<< lookup

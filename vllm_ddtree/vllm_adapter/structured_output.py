@@ -130,7 +130,8 @@ def grammar_draft_tree(
     run alone, and the hint.
 
     The hint is what the target emitted the last time a request with this
-    schema was in this grammar state (:mod:`.grammar_spans`).
+    schema was in this grammar state (:mod:`.grammar_spans`): a lookup draft,
+    merged with the drafter's candidates by the union trees' rule.
     """
     so_request = request.structured_output_request
     grammar = None if so_request is None else so_request.grammar
@@ -156,8 +157,7 @@ def grammar_draft_tree(
         request.all_token_ids[-1],
         cursor,
         max_depth=candidates.max_nodes,
-        hint=hint,
-        hint_probs=memory.hint_probs,
+        lookup=LookupDraft.chain(hint, memory.hint_probs) if hint else None,
     )
     probs = [math.exp(s) for s in tree.log_scores[1:]]
     depths = tree.depths[1:]
