@@ -193,10 +193,15 @@ def test_a_lookup_draft_is_merged_by_the_union_rule(compiler, seed):  # noqa: F8
     a_t + (1 - A) q'(t) on the lookup tree (brute force), past the drafter's
     depth where the lookup reaches."""
     rng = np.random.default_rng(100 + seed)
-    grammar = grammar_for(compiler, r"[a-c]{2}(-[0-9]{1,3}){1,3}x", b"ab")
-    log_probs, token_ids = drafter_top_k(rng, depth=3, k=6)
-    lookup = random_lookup(rng, nodes=12, alphabet=list(b"-0123x"))
-    tree = build_grammar_tree(log_probs, token_ids, 12, ord("b"),
+    # After "ab-" a digit (not forced), so the lookup's first tokens count.
+    grammar = grammar_for(compiler, r"[a-c]{2}(-[0-9]{1,3}){1,3}x", b"ab-")
+    log_probs, _ = drafter_top_k(rng, depth=3, k=6)
+    # Drafter and lookup draw from the tokens this grammar allows here, so
+    # that both often propose the same token.
+    allowed = list(b"-0123456789x")
+    token_ids = np.stack([rng.choice(allowed, size=6, replace=False) for _ in range(3)])
+    lookup = random_lookup(rng, nodes=12, alphabet=allowed)
+    tree = build_grammar_tree(log_probs, token_ids, 12, ord("-"),
                               GrammarCursor(grammar, VOCAB), max_depth=6,
                               lookup=lookup)
     _, scored = brute_force(grammar, log_probs, token_ids, 12, lookup, max_depth=6)
@@ -208,6 +213,7 @@ def test_a_lookup_draft_is_merged_by_the_union_rule(compiler, seed):  # noqa: F8
     top = sorted(scored.values(), reverse=True)[: tree.num_nodes]
     assert tree.log_scores[1:] == pytest.approx(top)
     assert tree.num_nodes == min(12, len(scored))
+
 
 
 def test_a_hint_takes_its_probability_and_reaches_past_the_drafter(compiler):  # noqa: F811
