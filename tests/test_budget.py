@@ -609,3 +609,24 @@ def test_lookup_trees_priced_out_by_slow_steps_are_explored_back():
     assert 1 <= explored <= 0.05 * len(kept), explored
     assert f"lookup-only trees verified to explore {explored}" in c.stats_line()
     assert kept[-100:] == [4] * 100, kept
+
+
+def test_a_lookup_only_step_charges_tree_overhead_per_request_with_a_tree():
+    """Eight requests, one with a sure lookup chain: the step pays the fixed
+    tree cost of that one request, not of all eight (charged x8, a tree of
+    ~3 expected tokens never paid in a batch: the b8 benchmark verified no
+    lookup tree on most datasets). At 3 ms per tree request and a 24 ms
+    plain step the chain pays once charged once, and not at eight times."""
+    pytest.importorskip("vllm")
+    c = _controller(per_row=0.0005, full=0.004, context=0.0005)
+    c.record_step(5, 1.0, 1)  # the engine's first tree step: a warm-up
+    for reqs in (1, 2, 4, 8):
+        for _ in range(3):
+            rows = 5 * reqs
+            c.record_step(rows, 0.020 + 0.0005 * rows + 0.003 * reqs, reqs)
+    assert c.tree_overhead_cost.predict(1) == pytest.approx(0.003, rel=0.05)
+    chain = _host_tree(_lookup_chain(0.9))  # 4 sure nodes
+    batch = chain + [None] * 7
+    assert c.choose_lookup_only(batch) == [4] + [0] * 7
+    # Eight such chains: each pays for its own request's overhead too.
+    assert c.choose_lookup_only(chain * 8) == [4] * 8

@@ -21,11 +21,12 @@ A lookup draft (:class:`~vllm_ddtree.lookup_tree.LookupDraft`; here the
 grammar span memory's hint, what the target emitted the last time its grammar
 was in this state, :mod:`vllm_ddtree.vllm_adapter.grammar_spans`) is merged
 as in the union trees of :mod:`vllm_ddtree.lookup_tree`, by the same rule
-(:func:`~vllm_ddtree.lookup_tree.mixture_log_prob`): at a node on the lookup
-tree, its lookup children the grammar allows take their probabilities ``a_t``
-and the drafter's allowed candidates share the rest, ``p(t) = a_t + (1 - A)
-q'(t)`` with ``q'`` the drafter's distribution renormalised over the allowed
-candidates. Like forced runs, lookup paths continue past the drafter's depth.
+(:func:`~vllm_ddtree.lookup_tree.mixture_log_prob`): at a node on the
+lookup tree, its lookup children the grammar allows take their
+probabilities ``a_t`` and the drafter's allowed candidates share the rest,
+``p(t) = a_t + (1 - A) q'(t)`` with ``q'`` the drafter's distribution
+renormalised over the allowed candidates. Like forced runs, lookup paths
+continue past the drafter's depth.
 
 Lossless whatever the tree: verification masks the target with the same
 grammar, so the tree only decides what is *proposed*.
@@ -221,7 +222,8 @@ def build_grammar_tree(
                 # Best first: a child ranked below the nodes still to add can
                 # never be added (each better sibling takes one first).
                 room = max(budget - tree.num_nodes - len(children), 0)
-                children += [(t, share + v, -1) for t, v in list(drafted.items())[:room]]
+                drafted_best = list(drafted.items())[:room]
+                children += [(t, share + v, -1) for t, v in drafted_best]
             if not children:
                 return
         base = tree.log_scores[node]

@@ -593,9 +593,20 @@ class BudgetController:
             )
             charged[r, :n] = self._charged_host(tree.parents)
         rows = num_reqs + np.arange(values.size + 1)
-        curve = self.tree_step_seconds(rows, num_reqs, per_node=False) + context
-        curve[0] = float(self.plain_step_cost.predict(num_reqs)) + context
         order = allocation_order_host(values)
+        # The fixed tree cost is paid per request that verifies a tree: with
+        # the best k nodes, the requests among the first k in the order (one
+        # request's lookup tree must not price the others' in).
+        first_seen = np.zeros(values.size + 1)
+        if values.size:
+            owners = order[1] % num_reqs
+            _, first = np.unique(owners, return_index=True)
+            first_seen[first + 1] = 1.0
+        tree_reqs = np.cumsum(first_seen)  # [R * B + 1]
+        curve = self.plain_step_cost.predict(rows) + context
+        if self.tree_overhead_cost.ready:
+            per_request = self.tree_overhead_cost.predict(np.maximum(tree_reqs, 1))
+            curve = curve + tree_reqs * per_request
         if self.tree_node_cost is not None and self.tree_node_cost.ready:
             flat_charged = charged.T.reshape(-1)[order[1]]
             curve[1:] += np.cumsum(flat_charged) * self.tree_node_cost.slope

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.grammar_tree import GrammarCursor, build_grammar_tree
+from vllm_ddtree.lookup_tree import LookupDraft
 from vllm_ddtree.vllm_adapter.draft_trees import (
     DraftTreeRecord,
     chain_parents,
