@@ -45,10 +45,15 @@ def compiled_extensions():
         extensions.append(
             CppExtension(
                 name="vllm_ddtree._C_cpu",
-                sources=[os.path.join("csrc", "cpu", "tree_build.cpp")],
+                sources=[
+                    os.path.join("csrc", "cpu", "tree_build.cpp"),
+                    os.path.join("csrc", "cpu", "tree_attention.cpp"),
+                ],
                 # No -ffast-math: tree scores must round exactly like the torch
-                # builder's float32 additions.
-                extra_compile_args={"cxx": ["-O3"]},
+                # builder's float32 additions. -fopenmp: at::parallel_for is
+                # header code that runs serially without it (the OpenMP runtime
+                # is torch's own libgomp, loaded before the extension).
+                extra_compile_args={"cxx": ["-O3", "-fopenmp"]},
             )
         )
     if os.environ.get("VLLM_DDTREE_NO_CUDA") == "1":

@@ -35,6 +35,8 @@ from _attn_utils import (  # noqa: E402
 from vllm_ddtree.commit import plan_commit  # noqa: E402
 from vllm_ddtree.tree import build_ddtree, tree_from_parents  # noqa: E402
 from vllm_ddtree.vllm_adapter import attn_context  # noqa: E402
+from vllm_ddtree.ops import cpu_ext  # noqa: E402
+from vllm_ddtree.vllm_adapter import plugin_cpu_attention  # noqa: E402
 from vllm_ddtree.vllm_adapter.cpu_attention import (  # noqa: E402
     BACKEND_PATH,
     DDTreeCPUAttentionBackend,
@@ -43,8 +45,30 @@ from vllm_ddtree.vllm_adapter.cpu_attention import (  # noqa: E402
     register_tree_attention_backend,
     unpack_blocks,
 )
+from vllm_ddtree.vllm_adapter.plugin_cpu_attention import (  # noqa: E402
+    PluginCPUAttentionImpl,
+)
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
+
+# The tree-row attention: the series' torch path, and the plugin's compiled op
+# (csrc/cpu/tree_attention.cpp), which must give the same rows.
+TREE_IMPLS = ["torch", "compiled"]
+
+
+def tree_impl(name: str):
+    """The impl class of ``name``; counts the compiled op's calls (it must run)."""
+    if name == "torch":
+        return DDTreeCPUAttentionImpl
+    if not cpu_ext.tree_attention_available():
+        pytest.skip(f"the CPU extension is not loaded: {cpu_ext.load_error()}")
+    return PluginCPUAttentionImpl
+
+
+def compiled_ran(name: str, before: int) -> bool:
+    """Whether the compiled op served the calls since ``before`` (torch: none)."""
+    after = plugin_cpu_attention.compiled_calls()
+    return after > before if name == "compiled" else after == before
 
 
 @pytest.fixture(autouse=True)
@@ -340,15 +364,22 @@ REQS = [
 ]
 
 
+@pytest.mark.parametrize("impl", TREE_IMPLS)
 @pytest.mark.parametrize(
     "dtype,block_size,head_dim,atol",
     [
         (torch.float32, 32, 64, 1e-5),
         (torch.float32, 128, 128, 1e-5),
+        # The compiled op reads float32 "vec" blocks in place; these convert
+        # each block first: a head_dim off its 64-wide tiles, the "vec16"
+        # layout (small blocks), half-precision caches.
+        (torch.float32, 32, 96, 1e-5),
+        (torch.float32, 16, 80, 1e-5),
         (torch.bfloat16, 32, 64, 2e-2),
+        (torch.float16, 32, 64, 4e-3),
     ],
 )
-def test_tree_rows_match_dense_reference(dtype, block_size, head_dim, atol):
+def test_tree_rows_match_dense_reference(dtype, block_size, head_dim, atol, impl):
     sc = Scenario(dtype, block_size, head_dim, REQS, seed=block_size)
     for k in range(sc.tree.num_reqs):  # non-vacuous: every tree branches
         t = int(sc.tree.num_nodes[k]) + 1
@@ -356,7 +387,7 @@ def test_tree_rows_match_dense_reference(dtype, block_size, head_dim, atol):
             sc.tree.visibility[k, :t, :t], torch.ones(t, t, dtype=torch.bool).tril()
         )
     stock = make_impl(CPUAttentionBackendImpl, head_dim)
-    ours = make_impl(DDTreeCPUAttentionImpl, head_dim)
+    ours = make_impl(tree_impl(impl), head_dim)
 
     stock_out, stock_cache = sc.run(stock)
     plain_out, plain_cache = sc.run(ours)  # no context: pure pass-through
@@ -364,7 +395,9 @@ def test_tree_rows_match_dense_reference(dtype, block_size, head_dim, atol):
     assert torch.equal(plain_cache, stock_cache)
 
     batch = sc.tree_batch()
+    calls = plugin_cpu_attention.compiled_calls()
     tree_out, tree_cache = sc.run(ours, batch=batch)
+    assert compiled_ran(impl, calls)
     assert torch.equal(tree_cache, stock_cache)  # attention never writes the cache
     tree_rows = sc.tree_rows()
     others = [i for i in range(sc.query.shape[0]) if i not in set(tree_rows)]
@@ -415,20 +448,25 @@ def _reference_args(kwargs) -> dict:
     )
 
 
+@pytest.mark.parametrize("impl", TREE_IMPLS)
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("features", list(LAYER_FEATURES))
-def test_tree_rows_honour_window_sinks_and_softcap(features, dtype, atol):
+def test_tree_rows_honour_window_sinks_and_softcap(features, dtype, atol, impl):
     """Each tree row equals the reference with the layer's window (by the node's
     depth, not its row), sinks and softcap; the reference's semantics are the
     stock kernel's (checked on the stock kernel's own causal rows), and leaving
     the feature out of the reference changes the tree rows (non-vacuous)."""
     kwargs = LAYER_FEATURES[features]
     window = kwargs.get("sliding_window", -1)
-    sc = Scenario(dtype, 32, 64, REQS, seed=11, window=window)
+    # 64-row blocks: a window starts mid-block (the compiled op reads from a key
+    # tile inside the block on).
+    sc = Scenario(dtype, 64, 64, REQS, seed=11, window=window)
     stock = make_impl(CPUAttentionBackendImpl, 64, **kwargs)
-    ours = make_impl(DDTreeCPUAttentionImpl, 64, **kwargs)
+    ours = make_impl(tree_impl(impl), 64, **kwargs)
     stock_out, _ = sc.run(stock)
+    calls = plugin_cpu_attention.compiled_calls()
     tree_out, _ = sc.run(ours, batch=sc.tree_batch())
+    assert compiled_ran(impl, calls)
     tree_rows = sc.tree_rows()
     others = [i for i in range(sc.query.shape[0]) if i not in set(tree_rows)]
     assert torch.equal(tree_out[others], stock_out[others])
@@ -443,8 +481,33 @@ def test_tree_rows_honour_window_sinks_and_softcap(features, dtype, atol):
     assert worst(tree_out, plain) > 0.05
 
 
+@pytest.mark.parametrize("features", ["none", "window-8"])
+def test_compiled_packed_layout_path_matches_in_place_reads(monkeypatch, features):
+    """The compiled op's general path (each block gathered through the probed
+    k_index / v_index, as for AMX's packed layouts) gives the in-place float32
+    reads' rows bit for bit (the "vec" layout, told to it as packed)."""
+    kwargs = LAYER_FEATURES.get(features, {})
+    window = kwargs.get("sliding_window", -1)
+    sc = Scenario(torch.float32, 64, 64, REQS, seed=5, window=window)
+    impl_cls = tree_impl("compiled")
+    in_place, _ = sc.run(make_impl(impl_cls, 64, **kwargs), batch=sc.tree_batch())
+    plan_args = plugin_cpu_attention.compiled_plan
+    monkeypatch.setattr(
+        plugin_cpu_attention,
+        "compiled_plan",
+        lambda *a: (False, *plan_args(*a)[1:]),
+    )
+    calls = plugin_cpu_attention.compiled_calls()
+    gathered, _ = sc.run(make_impl(impl_cls, 64, **kwargs), batch=sc.tree_batch())
+    assert compiled_ran("compiled", calls)
+    assert torch.equal(gathered, in_place)
+    ref = sc.reference_tree_rows(**_reference_args(kwargs))
+    assert max((gathered[i].double() - ref[i]).abs().max().item() for i in ref) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", TREE_IMPLS)
 @pytest.mark.parametrize("features", list(LAYER_FEATURES))
-def test_chain_rows_keep_the_stock_kernel_output(features):
+def test_chain_rows_keep_the_stock_kernel_output(features, impl):
     """Rows that see exactly the block rows before them (a chain; a tree's spine) are
     not recomputed: their output is the stock causal kernel's, bit for bit, with
     the layer's window, sinks and softcap."""
@@ -456,7 +519,7 @@ def test_chain_rows_keep_the_stock_kernel_output(features):
     sc.tree = tree_from_parents(chains, tokens, max_depth=max(sizes) - 1)
     stock_out, _ = sc.run(make_impl(CPUAttentionBackendImpl, 64, **kwargs))
     batch = sc.tree_batch()
-    tree_out, _ = sc.run(make_impl(DDTreeCPUAttentionImpl, 64, **kwargs), batch=batch)
+    tree_out, _ = sc.run(make_impl(tree_impl(impl), 64, **kwargs), batch=batch)
     assert torch.equal(tree_out, stock_out)
     ref = sc.reference_tree_rows(**_reference_args(kwargs))
     assert max((tree_out[i].double() - ref[i]).abs().max().item() for i in ref) <= 1e-5

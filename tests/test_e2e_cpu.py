@@ -19,6 +19,8 @@ import random
 import pytest
 
 from vllm_ddtree import tiny_models
+from vllm_ddtree.ops import cpu_ext
+from vllm_ddtree.vllm_adapter import plugin_cpu_attention
 from vllm_ddtree.vllm_adapter import runner as runner_module
 from vllm_ddtree.vllm_adapter.draft_trees import record_of
 
@@ -55,6 +57,7 @@ def generate(
     logit_bias=None,
     **kw,
 ):
+    compiled_before = plugin_cpu_attention.compiled_calls()
     llm = vllm.LLM(
         model=target,
         dtype=dtype,
@@ -95,6 +98,9 @@ def generate(
         if runner is not None
         else 0,
         "draft_len": runner.drafter.draft_len if runner is not None else 0,
+        # Layer calls whose tree rows the compiled CPU op attended.
+        "compiled_attention_calls": plugin_cpu_attention.compiled_calls()
+        - compiled_before,
     }
     del llm
     return tokens, stats
@@ -198,6 +204,11 @@ def test_siblings_are_accepted_and_committed(
         assert stats["branch_paths"] > 0, stats
         assert stats["attention_trees"] >= stats["drafts"], stats
         assert mean_acceptance >= 0.8 * BLOCK_SIZE, stats
+        # The trees were attended by the compiled op (csrc/cpu/tree_attention.cpp)
+        # where the extension has it, and the random target's output, which
+        # depends on every attended key, is still the plain greedy one.
+        if cpu_ext.tree_attention_available():
+            assert stats["compiled_attention_calls"] > 0, stats
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,11 @@ Operators (``torch.ops.vllm_ddtree``):
   Wrapped by :func:`build_ddtree_cpu`. On CPU tensors it is ~10x faster than the
   torch build, whose time there is per-operator overhead (a dozen small ops per
   depth), not arithmetic.
+* ``tree_attention_cpu``: the ancestor-only attention of a verify step's
+  recomputed tree rows, one call per layer, straight from vLLM's paged CPU cache
+  (``csrc/cpu/tree_attention.cpp``; used by
+  :class:`~vllm_ddtree.vllm_adapter.plugin_cpu_attention.PluginCPUAttentionImpl`,
+  the torch path of ``cpu_attention`` is its reference).
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from vllm_ddtree.tree import (
     _resolve_budget,
 )
 
-__all__ = ["available", "build_ddtree_cpu", "load", "load_error"]
+__all__ = [
+    "available",
+    "build_ddtree_cpu",
+    "load",
+    "load_error",
+    "tree_attention_available",
+]
 
 EXTENSION = "vllm_ddtree._C_cpu"
 NAMESPACE = "vllm_ddtree"
@@ -50,6 +61,14 @@ def load_error() -> str | None:
 def available() -> bool:
     """Whether the compiled tree builder (:func:`build_ddtree_cpu`) can run."""
     return load() is not None
+
+
+def tree_attention_available() -> bool:
+    """Whether the compiled CPU tree attention (``tree_attention_cpu``, used by
+    :mod:`vllm_ddtree.vllm_adapter.plugin_cpu_attention`) can run: an
+    extension built before it was added lacks the operator."""
+    ops = load()
+    return ops is not None and hasattr(ops, "tree_attention_cpu")
 
 
 def build_ddtree_cpu(

@@ -433,11 +433,31 @@ class DDTreeCPUAttentionImpl(
         self, layer, query, key, value, kv_cache, metadata, output, batch
     ) -> None:
         plan = plan_for(batch, metadata, kv_cache.shape[2])
-        isa = layer.isa
+        window = self.sliding_window if self.sliding_window not in (None, -1) else 0
+        self._attend_tree_rows(plan, layer.isa, query, kv_cache, output, window)
+        if batch.stash_kv and plan.rows.numel():
+            name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
+            batch.stash[name] = attn_context.LayerKVStash(
+                key=key.index_select(0, plan.rows),
+                value=value.index_select(0, plan.rows),
+                slot_mapping=metadata.slot_mapping.index_select(0, plan.rows).to(
+                    torch.int64
+                ),
+                batch_rows=plan.rows,
+                kv_cache=kv_cache,
+                isa=layer.isa,
+                k_scale=float(getattr(layer, "_k_scale_float", 1.0)),
+                v_scale=float(getattr(layer, "_v_scale_float", 1.0)),
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+
+    def _attend_tree_rows(self, plan, isa, query, kv_cache, output, window) -> None:
+        """Writes the ancestor-only attention of ``plan``'s recomputed rows
+        into ``output`` (the other rows keep the stock kernel's): plain torch,
+        a handful of operators per tree request and layer."""
         num_heads, head_dim = self.num_heads, self.head_size
         num_kv_heads = self.num_kv_heads
         group = num_heads // num_kv_heads
-        window = self.sliding_window if self.sliding_window not in (None, -1) else 0
         softcap = float(self.logits_soft_cap or 0.0)
         # [Hkv, group, 1]: per query head, the sink logit (gpt-oss) that joins
         # the softmax denominator with no value, in float32 as the kernel runs it.
@@ -479,21 +499,6 @@ class DDTreeCPUAttentionImpl(
                 probs = probs[..., :-1]
             o = torch.bmm(probs, kv[1]).view(num_heads, rows, head_dim)
             out_all.index_copy_(0, entry.rows, o.transpose(0, 1).to(out_all.dtype))
-        if batch.stash_kv and plan.rows.numel():
-            name = getattr(layer, "layer_name", None) or f"layer@{id(layer)}"
-            batch.stash[name] = attn_context.LayerKVStash(
-                key=key.index_select(0, plan.rows),
-                value=value.index_select(0, plan.rows),
-                slot_mapping=metadata.slot_mapping.index_select(0, plan.rows).to(
-                    torch.int64
-                ),
-                batch_rows=plan.rows,
-                kv_cache=kv_cache,
-                isa=isa,
-                k_scale=float(getattr(layer, "_k_scale_float", 1.0)),
-                v_scale=float(getattr(layer, "_v_scale_float", 1.0)),
-                kv_cache_dtype=self.kv_cache_dtype,
-            )
 
 
 class DDTreeCPUAttentionMetadataBuilder(

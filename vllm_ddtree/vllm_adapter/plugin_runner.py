@@ -50,6 +50,16 @@ def enable_ddtree(runner) -> None:
     runner.__class__ = _MIXED_CLASSES[cls]
     runner.drafter = PluginDDTreeProposer(runner.vllm_config, runner.device, runner)
     runner.ddtree = DDTreeVerifier(runner)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # After the series' CPU_ATTN override (DDTreeVerifier): the same backend
+        # with the compiled tree-row attention (plugin_cpu_attention.py).
+        from vllm_ddtree.vllm_adapter.plugin_cpu_attention import (
+            register_plugin_tree_attention_backend,
+        )
+
+        register_plugin_tree_attention_backend()
 
 
 class DDTreeRunnerMixin:
