@@ -284,6 +284,23 @@ def config_prompt_sets(args, tokenizer) -> dict[tuple[float, int], dict[str, lis
 # Runs
 # --------------------------------------------------------------------------- #
 TORCH_BUILD = "/torch-build"  # method-name suffix: the same spec, torch tree builder
+# Method-name suffix: the same spec, tree rows attended by the torch path of the
+# CPU backend instead of the compiled op (csrc/cpu/tree_attention.cpp).
+TORCH_ATTN = "/torch-attn"
+
+
+def use_torch_tree_attention(runner) -> int:
+    """Makes the engine's CPU attention layers attend tree rows with the torch path
+    (the compiled op's reference); returns how many layers it switched."""
+    from vllm_ddtree.vllm_adapter.plugin_cpu_attention import PluginCPUAttentionImpl
+
+    switched = 0
+    context = runner.vllm_config.compilation_config.static_forward_context
+    for layer in context.values():
+        if isinstance(getattr(layer, "impl", None), PluginCPUAttentionImpl):
+            layer.impl._use_compiled = False
+            switched += 1
+    return switched
 
 
 @contextlib.contextmanager
@@ -330,6 +347,8 @@ class MethodEngine:
         self.runner = core.model_executor.driver_worker.worker.model_runner
         timers.attach(self.runner)
         self.spec = SpecCounter(core.scheduler, max(budget, 1))
+        if name.endswith(TORCH_ATTN) and not use_torch_tree_attention(self.runner):
+            raise SystemExit(f"{name}: no CPU tree attention layer to switch to torch")
 
     def new_sums(self) -> dict:
         """Empty sums for one configuration (filled by :meth:`run_chunk`)."""
@@ -708,6 +727,10 @@ def main(argv=None) -> dict:
                     help="also run every ddtree method with the torch builder build_ddtree "
                          f"(method name + {TORCH_BUILD!r}) instead of the compiled CPU "
                          "builder, side by side")
+    ap.add_argument("--torch-tree-attention-too", action="store_true",
+                    help="also run every ddtree method with the torch path of the CPU "
+                         f"tree attention (method name + {TORCH_ATTN!r}) instead of the "
+                         "compiled op, side by side")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="real_cpu")
@@ -738,6 +761,10 @@ def main(argv=None) -> dict:
         for name, spec in list(specs.items()):
             if spec and spec.get("method") == "ddtree":
                 specs[name + TORCH_BUILD] = spec
+    if args.torch_tree_attention_too:
+        for name, spec in list(specs.items()):
+            if spec and spec.get("method") == "ddtree" and not name.endswith(TORCH_BUILD):
+                specs[name + TORCH_ATTN] = spec
     engines = [MethodEngine(name, spec, args, args.target, timers)
                for name, spec in specs.items()]
     results = run_interleaved(engines, args, config_prompts, timers)
