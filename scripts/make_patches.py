@@ -261,6 +261,29 @@ IMPORT_REWRITES = [
 
 # Per-file rewrites before the module-name ones: (source, old, new).
 FILE_REWRITES = [
+    # The compiled CPU tree attention is plugin only (csrc/cpu/tree_attention.cpp):
+    # in-tree, the CPU backend's torch path attends the trees.
+    (
+        "tests/test_e2e_cpu.py",
+        "from vllm_ddtree.ops import cpu_ext\n"
+        "from vllm_ddtree.vllm_adapter import plugin_cpu_attention\n",
+        "",
+    ),
+    (
+        "tests/test_e2e_cpu.py",
+        "    compiled_before = plugin_cpu_attention.compiled_calls()\n",
+        "",
+    ),
+    (
+        "tests/test_e2e_cpu.py",
+        "        # Plugin only: the trees were attended by the compiled op\n"
+        "        # (csrc/cpu/tree_attention.cpp) where the extension has it, and the\n"
+        "        # random target's output, which depends on every attended key, is\n"
+        "        # still the plain greedy one.\n"
+        "        if cpu_ext.tree_attention_available():\n"
+        "            assert plugin_cpu_attention.compiled_calls() > compiled_before\n",
+        "",
+    ),
     (
         "vllm_ddtree/ops/cuda_ext.py",
         '_EXTENSION = "vllm_ddtree._C"\n_NAMESPACE = "vllm_ddtree"\n'
