@@ -9,7 +9,7 @@ GEMMs, the attention layer calls (stock kernel, ``tree_attention_cpu``, the K/V
 stash) and the drafter's calls can be told apart. Prints the CPU flags it ran
 with; compare within one run only.
 
-    .venv/bin/python benchmarks/profile_verify_step.py --budget 4 --prompts 2 --tokens 48
+    .venv/bin/python benchmarks/profile_verify_step.py --budget 4 --tokens 48
 """
 
 from __future__ import annotations
@@ -34,15 +34,16 @@ def main() -> None:
 
     import torch
     import vllm
+    from bench_core import cpu_flags, cpu_model
+    from bench_real import DEFAULT_DRAFTER
     from transformers import AutoTokenizer
 
     import vllm_ddtree
-    from bench_core import cpu_flags, cpu_model
-    from bench_real import DEFAULT_DRAFTER
     from vllm_ddtree import assets
 
     vllm_ddtree.register()
-    print(f"machine: {cpu_model()} ({os.cpu_count()} CPUs; flags {' '.join(cpu_flags())})")
+    flags = " ".join(cpu_flags())
+    print(f"machine: {cpu_model()} ({os.cpu_count()} CPUs; flags {flags})")
     target = assets.smollm2_target()
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = assets.load_prompts("mtbench", args.prompts + 1, tokenizer, seed=1,
