@@ -361,6 +361,7 @@ REQS = [
     Req(prefix=5, plain_rows=20, budget=None),  # a prefill chunk
     Req(prefix=148, plain_rows=2, budget=12),  # plain rows, then the tree
     Req(prefix=128, plain_rows=0, budget=6),  # prefix ends on a block boundary
+    Req(prefix=70, plain_rows=0, budget=40),  # more rows than one compiled task holds
 ]
 
 

@@ -81,6 +81,7 @@ constexpr int64_t kRows = 4;    // query rows per register tile
 constexpr int64_t kLanes = 16;  // floats per vector
 constexpr int64_t kKeyTile = 2 * kLanes;  // keys per score tile: 4 x 2 accumulators
 constexpr int64_t kDimTile = 4 * kLanes;  // head dims per output tile: 4 x 4
+constexpr int64_t kMaxTaskRows = 16;      // tree rows per task, at most
 
 // 16 floats as one value: GCC lowers its arithmetic to the clone's ISA (one
 // AVX-512 register, two AVX2 registers, four SSE registers).
@@ -493,7 +494,9 @@ void tree_attention_cpu(const at::Tensor& query,      // [N, H, D]
 
   // Tasks: (request, KV head, chunk of its rows). A batch of one request has
   // fewer KV heads than twice the threads on many models: its rows are split
-  // so that the threads share the work (each chunk reads the keys again).
+  // so that the threads share the work (each chunk reads the keys again). A
+  // chunk holds at most kMaxTaskRows rows: a task's scores take rows x group x
+  // context floats of its thread's scratch.
   struct Task {
     int64_t request, kv_head, row_begin, row_end;
   };
@@ -503,7 +506,8 @@ void tree_attention_cpu(const at::Tensor& query,      // [N, H, D]
   for (int64_t e = 0; e < E; ++e) {
     const int64_t num_rows = start[e + 1] - start[e];
     if (num_rows == 0) continue;
-    const int64_t chunk = (num_rows + chunks_per_head - 1) / chunks_per_head;
+    const int64_t chunk =
+        std::min(kMaxTaskRows, (num_rows + chunks_per_head - 1) / chunks_per_head);
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t r = 0; r < num_rows; r += chunk)
         tasks.push_back({e, h, r, std::min(num_rows, r + chunk)});
