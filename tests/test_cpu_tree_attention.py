@@ -492,11 +492,12 @@ def test_compiled_packed_layout_path_matches_in_place_reads(monkeypatch, feature
     sc = Scenario(torch.float32, 64, 64, REQS, seed=5, window=window)
     impl_cls = tree_impl("compiled")
     in_place, _ = sc.run(make_impl(impl_cls, 64, **kwargs), batch=sc.tree_batch())
-    plan_args = plugin_cpu_attention.compiled_plan
+    layout = plugin_cpu_attention.layout_args
+    assert layout(sc.isa, torch.float32, 64, 64)[0]  # read in place above
     monkeypatch.setattr(
         plugin_cpu_attention,
-        "compiled_plan",
-        lambda *a: (False, *plan_args(*a)[1:]),
+        "layout_args",
+        lambda *a: (False, *layout(*a)[1:]),
     )
     calls = plugin_cpu_attention.compiled_calls()
     gathered, _ = sc.run(make_impl(impl_cls, 64, **kwargs), batch=sc.tree_batch())

@@ -18,6 +18,7 @@ layer first attends a tree).
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -35,8 +36,9 @@ __all__ = [
     "PLUGIN_BACKEND_PATH",
     "PluginCPUAttentionBackend",
     "PluginCPUAttentionImpl",
-    "compiled_plan",
     "compiled_calls",
+    "compiled_plan",
+    "layout_args",
     "register_plugin_tree_attention_backend",
 ]
 
@@ -46,7 +48,7 @@ ENV_PATH = "VLLM_DDTREE_CPU_TREE_ATTENTION"
 # Layer calls served by the compiled op in this process (tests and benchmarks
 # read it to see which path ran).
 _COMPILED_CALLS = [0]
-# Per forward plan (weakly: a plan lives for one forward), per cache layout.
+# Per forward plan (weakly: a plan lives for one forward).
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -55,17 +57,27 @@ def compiled_calls() -> int:
     return _COMPILED_CALLS[0]
 
 
-def compiled_plan(plan, kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, ...]:
+@functools.cache
+def layout_args(
+    isa: str, dtype: torch.dtype, block_size: int, head_dim: int
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """The op's cache-layout arguments ``(plain_layout, k_index, v_index)``, once
+    per layout: the probed unpack indices (cpu_attention's ``packed_layout``) and
+    whether they are the "vec" layout the op reads in place (K block transposed
+    ``[D, bs]``, V block plain ``[bs, D]``)."""
+    k_index, v_index = packed_layout(isa, dtype, block_size, head_dim)
+    plain = torch.arange(block_size * head_dim)
+    transposed = (plain % head_dim) * block_size + plain // head_dim
+    plain_layout = torch.equal(k_index, transposed) and torch.equal(v_index, plain)
+    return plain_layout, k_index, v_index
+
+
+def compiled_plan(plan) -> tuple[torch.Tensor, ...]:
     """The op's plan arguments for a forward's ``plan`` (cpu_attention's
-    ``_ForwardPlan``) and the layers' cache layout: ``(plain_layout, k_index,
-    v_index, rows
-    [F], row_start [E + 1], prefix_len [E], block_rows [E], block_ids [E,
-    max_blocks], visibility [F, max_T], row_depths [F], key_depths [E,
-    max_T])``, made by the forward's first layer."""
-    _, _, block_size, two_d = kv_cache.shape
-    key = (kv_cache.dtype, block_size, two_d, isa)
-    per_plan = _PLANS.setdefault(plan, {})
-    args = per_plan.get(key)
+    ``_ForwardPlan``): ``(rows [F], row_start [E + 1], prefix_len [E],
+    block_rows [E], block_ids [E, max_blocks], visibility [F, max_T],
+    row_depths [F], key_depths [E, max_T])``, made by the forward's first layer."""
+    args = _PLANS.get(plan)
     if args is None:
         entries = plan.entries
         num_rows = [e.rows.numel() for e in entries]
@@ -82,15 +94,7 @@ def compiled_plan(plan, kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor,
             at += num_rows[i]
         row_start = torch.zeros(len(entries) + 1, dtype=torch.int64)
         row_start[1:] = torch.tensor(num_rows).cumsum(0)
-        k_index, v_index = packed_layout(isa, kv_cache.dtype, block_size, two_d // 2)
-        head_dim = two_d // 2
-        plain = torch.arange(block_size * head_dim)
-        transposed = (plain % head_dim) * block_size + plain // head_dim
-        plain_layout = torch.equal(k_index, transposed) and torch.equal(v_index, plain)
         args = (
-            plain_layout,
-            k_index,
-            v_index,
             torch.cat([e.rows for e in entries]),
             row_start,
             torch.tensor([e.prefix_len for e in entries], dtype=torch.int64),
@@ -100,7 +104,7 @@ def compiled_plan(plan, kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor,
             torch.cat([e.row_depths for e in entries]).to(torch.int64),
             key_depths,
         )
-        per_plan[key] = args
+        _PLANS[plan] = args
     return args
 
 
@@ -120,8 +124,9 @@ class PluginCPUAttentionImpl(DDTreeCPUAttentionImpl):
             super()._attend_tree_rows(plan, isa, query, kv_cache, output, window)
             return
         num_heads, head_dim = self.num_heads, self.head_size
-        plain_layout, k_index, v_index, *rows_and_masks = compiled_plan(
-            plan, kv_cache, isa
+        _, _, block_size, two_d = kv_cache.shape
+        plain_layout, k_index, v_index = layout_args(
+            isa, kv_cache.dtype, block_size, two_d // 2
         )
         cpu_ext.load().tree_attention_cpu(
             query.view(query.shape[0], num_heads, head_dim),
@@ -129,7 +134,7 @@ class PluginCPUAttentionImpl(DDTreeCPUAttentionImpl):
             k_index,
             v_index,
             output.view(output.shape[0], num_heads, head_dim),
-            *rows_and_masks,
+            *compiled_plan(plan),
             float(self.scale),
             float(self.logits_soft_cap or 0.0),
             int(window),
