@@ -12,7 +12,7 @@
 // arithmetic in one call per layer, reading K and V straight from the paged,
 // ISA-packed cache:
 //
-//   for each (tree request, KV head), in parallel:
+//   for each (tree request, KV head, chunk of <= 16 rows), in parallel:
 //     scores[r, j] = q_r . k_j * scale    (softcap: c * tanh(s / c))
 //     masked by the ancestor visibility and the layer's sliding window,
 //     softmax with the head's sink logit (if any) in the denominator,
@@ -24,10 +24,11 @@
 //
 // The packed layout is not assumed: k_index / v_index map a block's plain entry
 // (t * D + d) to its packed position inside the (block, head) region, as probed
-// from vLLM's own cache write (cpu_attention.packed_layout). A block is unpacked
-// into a small float buffer once per (request, head) and pass, so the inner loops
+// from vLLM's own cache write (cpu_attention.packed_layout). Float32 blocks of the
+// "vec" layout (K transposed [D, bs], V [bs, D]) are read in place; any other
+// block is converted to float32 in a small buffer first, so the inner loops
 // (q . K over a block's keys, p . V over the head dimension) are contiguous and
-// vectorise; hot functions are cloned per ISA (AVX-512, AVX2, baseline) and picked
+// vectorise. Hot functions are cloned per ISA (AVX-512, AVX2, baseline) and picked
 // at load time, so the build runs on any x86-64 CPU.
 
 // Comparisons and float -> int conversions in the exp loop vectorise only
