@@ -5,6 +5,7 @@ structure of exactly what it scheduled; drafts without a tree are a chain."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from vllm_ddtree.tree import build_ddtree
@@ -59,6 +60,30 @@ def test_put_sends_real_nodes_with_their_parents_and_probabilities():
         assert torch.allclose(torch.tensor(out.draft_path_probs[b]).float(), expected)
     assert out.draft_candidates is None
     assert len(proposed) == 0  # sent once, then forgotten
+
+
+def test_host_trees_are_sent_as_device_trees_are():
+    """put_host (lookup-only trees, host lists) sends what put sends for the
+    same trees: drafts, parents, path probabilities."""
+    tree, proposed, drafts = _trees(keep_probs=True)
+    sent = proposed.attach(_draft_token_ids("ab", drafts))
+    host = ProposedTrees()
+    host.keep_path_probs = True
+    lists = []
+    for b in range(2):
+        n = int(tree.num_nodes[b])
+        lists.append(
+            (
+                tree.tokens[b, : n + 1].tolist(),
+                tree.parents[b, : n + 1].tolist(),
+                tree.scores[b, : n + 1].tolist(),
+            )
+        )
+    assert host.put_host(["a", "b"], lists) == drafts
+    out = host.attach(_draft_token_ids("ab", drafts))
+    assert out.draft_parents == sent.draft_parents
+    for got, want in zip(out.draft_path_probs, sent.draft_path_probs, strict=True):
+        assert np.allclose(got, want, rtol=1e-6)
 
 
 def test_drafts_the_pass_did_not_make_go_as_a_chain(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_ddtree.lookup_tree import FROM_LOOKUP, LookupDraft, build_union_tree
-from vllm_ddtree.tree import build_ddtree, draft_top_k
+from vllm_ddtree.tree import build_ddtree, draft_top_k, tree_from_parents
 from vllm_ddtree.vllm_adapter.lookup_step import BatchLookup
 
 BUDGET = 6
@@ -44,7 +44,21 @@ def lookup_only(lookup, req_ids, rows, num_nodes=None):
     unions = lookup.lookup_only_unions(rows)
     if num_nodes is None:
         num_nodes = [0 if u is None else u[0].num_nodes for u in unions]
-    return lookup.lookup_only_trees(req_ids, unions, num_nodes, "cpu")
+    trees = lookup.lookup_only_trees(req_ids, unions, num_nodes)
+    if trees is None:
+        return None
+    tokens, parents, log_scores = zip(*trees, strict=True)
+    depth = max(max(union_depths(p)) for p in parents)
+    return tree_from_parents(
+        list(parents), list(tokens), max_depth=max(depth, 1), scores=list(log_scores)
+    )
+
+
+def union_depths(parents):
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
 
 
 def drafter_trees(num_reqs, seed=0):

@@ -365,12 +365,14 @@ def test_placeholder_tokens_are_never_accepted(method):
     assert verify_tree(tree, logits).num_accepted.item() == 0
 
 
+@pytest.mark.parametrize("all_greedy", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("method", METHODS)
-def test_row_index_reads_rows_in_place(method, backend):
+def test_row_index_reads_rows_in_place(method, backend, all_greedy):
     """target_logits [M, V] + row_index [R, N + 1] (the runner's padded batches,
     read without a copy) == the same rows as [R, N + 1, V]; rows outside the
-    index never matter."""
+    index never matter (all greedy: the torch walk's one argmax over every
+    row, then the index)."""
     import os
 
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -383,6 +385,8 @@ def test_row_index_reads_rows_in_place(method, backend):
         top_k=[-1, 3, 0, 0],
         top_p=[1.0, 0.9, 1.0, 1.0],
     )
+    if all_greedy:
+        params = TreeSamplingParams.greedy(4)
     coins = draw_coins(4, tree.num_rows, "cpu")
     want = verify_tree(tree, target, params, method=method, coins=coins)
     num_reqs, rows, vocab = target.shape

@@ -258,7 +258,18 @@ def verify_tree_torch(
     active = torch.ones(num_reqs, dtype=torch.bool, device=device)
     is_cpu = device.type == "cpu"
 
+    # Greedy batches: one argmax over every logits row, read in place (as
+    # vLLM's greedy sampler does), so the walk below reads token ids only
+    # instead of gathering an [R, V] row per depth.
+    row_argmax = None
+    if params.all_greedy:
+        row_argmax = target_logits.argmax(dim=-1)  # [R, N + 1] or [M]
+        if row_index is not None:
+            row_argmax = row_argmax[row_index]  # [R, N + 1]
+
     def step_distribution(node: torch.Tensor):
+        if row_argmax is not None:
+            return None, None
         if row_index is None:
             raw = target_logits[req, node].float()  # [R, V]
         else:
@@ -274,7 +285,7 @@ def verify_tree_torch(
         raw, e = step_distribution(cur)
         children = (tree.parents == cur.unsqueeze(1)) & active.unsqueeze(1)  # [R, rows]
         # Greedy rows and sample_walk: the node's token, then a child carrying it.
-        token = raw.argmax(dim=-1)
+        token = raw.argmax(dim=-1) if row_argmax is None else row_argmax[req, cur]
         if e is not None:
             token = torch.where(greedy, token, _inverse_cdf(e, node_coins[req, cur]))
         match = children & (tree.tokens == token.unsqueeze(1))
@@ -322,7 +333,7 @@ def verify_tree_torch(
         )
     else:
         sampled = _inverse_cdf(e, node_coins[req, cur])
-    bonus = raw.argmax(dim=-1)
+    bonus = raw.argmax(dim=-1) if row_argmax is None else row_argmax[req, cur]
     if sampled is not None:
         bonus = torch.where(greedy, bonus, sampled)
 

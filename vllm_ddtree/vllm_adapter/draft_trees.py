@@ -172,17 +172,39 @@ class ProposedTrees:
             ) else None
             self._trees[req_id] = (tokens[b][1 : n + 1], parents[b][: n + 1], probs)
             drafts.append(tokens[b][1 : n + 1])
+        start = num_reqs * width
+        self._put_candidates(req_ids, host, start, candidates, make_candidates)
+        return drafts
+
+    # >>> lookup
+    def put_host(
+        self,
+        req_ids: list[str],
+        trees: list[tuple[list[int], list[int], list[float]]],
+    ) -> list[list[int]]:
+        """:meth:`put` for trees built on the host (lookup-only steps): per
+        request ``(tokens, parents, log path probabilities)``, root first,
+        kept as they are (no device tree to build and read back)."""
+        self.clear()
+        drafts = []
+        for req_id, (tokens, parents, log_scores) in zip(req_ids, trees, strict=True):
+            probs = np.exp(log_scores[1:]).tolist() if self.keep_path_probs else None
+            self._trees[req_id] = (list(tokens[1:]), list(parents), probs)
+            drafts.append(list(tokens[1:]))
+        return drafts
+
+    # <<< lookup
+    def _put_candidates(self, req_ids, host, start, candidates, make_candidates):
+        """The grammar candidates of :meth:`put` (``host[start:]``)."""
         if candidates is not None:
             cand_rows, log_probs, _ = candidates
             size = log_probs.numel()
-            start = num_reqs * width
             values = host[start : start + size].reshape(log_probs.shape)
             ids = host[start + size : start + 2 * size].reshape(log_probs.shape)
             for i, b in enumerate(cand_rows):
                 self._candidates[req_ids[b]] = make_candidates(
                     b, values[i].tolist(), ids[i].astype(np.int64).tolist()
                 )
-        return drafts
 
     # >>> auto budget
     def put_forced_only(self, req_ids: list[str], rows: list[int], make_candidates) -> None:

@@ -16,12 +16,14 @@ Each step, after the target's verification (``DDTreeVerifier.before_propose``):
    without one (the auto budget skipped the drafter),
    :meth:`BatchLookup.lookup_only_trees` gives lookup trees alone.
 
-Trees are built on the host (lookup sources live there) and leave as one
-:class:`~vllm_ddtree.tree.DraftTree` in node order (parents first, best
-first), so the auto budget's prefix choice and the scheduler's round trip are
-the drafter's. The verifier keeps, per request, which nodes of the tree it
-proposed were lookup nodes (``pending``), to read their fate a step later.
-Lossless whatever the lookup proposes: verification reads the target alone.
+Trees are built on the host (lookup sources live there) in node order
+(parents first, best first), so the auto budget's prefix choice and the
+scheduler's round trip are the drafter's: union trees leave as one
+:class:`~vllm_ddtree.tree.DraftTree`
+beside the drafter's, lookup-only trees go to the scheduler as the host lists
+they are. The verifier keeps, per request, which nodes of the tree it proposed
+were lookup nodes (``pending``), to read their fate a step later. Lossless
+whatever the lookup proposes: verification reads the target alone.
 """
 
 from __future__ import annotations
@@ -309,12 +311,13 @@ class BatchLookup:
         req_ids: list[str],
         unions: list[tuple[UnionTree, np.ndarray, list[bool]] | None],
         num_nodes: list[int],
-        device,
-    ) -> DraftTree | None:
-        """The batch's trees to verify: each row's lookup-only tree
+    ) -> list[tuple[list[int], list[int], list[float]]] | None:
+        """The batch's trees to verify, on the host (what the scheduler gets:
+        no device tree is built): each row's lookup-only tree
         (:meth:`lookup_only_unions`) cut to its first ``num_nodes[b]`` nodes
-        (a prefix: parents come first), its lookup nodes remembered to be
-        read a step later; None when no row keeps a node."""
+        (a prefix: parents come first) as (tokens, parents, log path
+        probabilities), root first, its lookup nodes remembered to be read a
+        step later; None when no row keeps a node."""
         if not any(num_nodes):
             return None
         lists = []
@@ -326,7 +329,7 @@ class BatchLookup:
             union = _prefix(union, n)
             lists.append((union.tokens, union.parents, union.log_scores))
             self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
-        return _to_tree(lists, device)
+        return lists
 
     def forget(self, req_ids: list[str]) -> None:
         """Proposed trees that will not be verified (none sent)."""

@@ -572,16 +572,14 @@ class DDTreeVerifier:
         # >>> lookup
         if self._lookup_rows:
             # No drafter pass, but the lookup trees cost only their rows: built,
-            # valued and cut on the host, then one copy to the device.
+            # valued and cut on the host, and sent to the scheduler from there.
             started = time.perf_counter()
             unions = self.lookup.lookup_only_unions(self._lookup_rows)
             num_nodes = budget.choose_lookup_only([u and u[0] for u in unions])
             self.lookup.note_lookup_only_choice(req_ids, self._lookup_rows, num_nodes)
-            tree = self.lookup.lookup_only_trees(
-                req_ids, unions, num_nodes, runner.device
-            )
-            if tree is not None:
-                draft = self.proposed.put(req_ids, tree)
+            trees = self.lookup.lookup_only_trees(req_ids, unions, num_nodes)
+            if trees is not None:
+                draft = self.proposed.put_host(req_ids, trees)
             self._drafter_seconds += time.perf_counter() - started
         # <<< lookup
         # Structured requests still get the tokens their grammar forces: the
