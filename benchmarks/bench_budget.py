@@ -229,7 +229,7 @@ class DecisionTrace:
             values = before.pop("values", None)
             counts = choose(tree, grammar_values)
             before["chosen_nodes"] = int(counts.sum())
-            before["drafting_on"] = controller._skip_left == 0
+            before["drafting_on"] = controller._switch.skip_left == 0
             if values is not None:  # what the controller expects of the verified nodes
                 import torch
 

@@ -449,13 +449,13 @@ def test_tree_overhead_is_learned_per_tree_request():
     for num_reqs in (1, 8):
         c.record_drafter(True, num_reqs, 0.002 * num_reqs)
         c.record_drafter(False, num_reqs, 0.0002 * num_reqs)
-    c._drafting = True
+    c._switch.drafting = True
     assert c.choose(_chain_trees(0.9)).tolist() == [4]
     assert c.advantage > 1
     wide = BudgetController(max_depth=4, budget=8, device="cpu", max_rows=256, max_reqs=8)
     wide.__dict__.update({k: v for k, v in c.__dict__.items() if k.endswith("cost")
                           or k == "_full_drafter_costs"})
-    wide._drafting = True
+    wide._switch.drafting = True
     assert wide.choose(_chain_trees(0.9, num_reqs=8)).tolist() == [0] * 8
     assert wide.advantage < 1
 
@@ -524,7 +524,7 @@ def test_lookup_only_trees_are_verified_as_far_as_they_pay():
     the request-steps count once in the histogram."""
     pytest.importorskip("vllm")
     controller = _controller(per_row=0.002, full=0.004, context=0.0005)
-    controller._skip_left = 2  # the drafter is being skipped
+    controller._switch.skip_left = 2  # the drafter is being skipped
     for chain, chosen in ((_lookup_chain(0.95), 4), (_lookup_chain(0.02), 0)):
         assert not controller.draft_next(1)
         assert controller.choose_lookup_only(_host_tree(chain)) == [chosen]
@@ -546,6 +546,29 @@ def test_drafting_is_weighed_against_lookup_only_steps():
         with_lookup.choose(sure, lookup_only=_host_tree(_lookup_chain(0.99, nodes=8)))
     assert plain_only.advantage > 1.0
     assert with_lookup.advantage < 1.0
+
+
+def test_drafting_stops_beside_lookup_but_not_where_lookup_is_silent():
+    """One controller, steps alternating between batches with a sure lookup
+    chain (drafting loses to verifying the chain alone) and batches without
+    lookup trees (drafting beats plain steps): it stops drafting beside the
+    lookup only; one switch for both would let the lookup steps switch the
+    drafter off where it is the only source."""
+    pytest.importorskip("vllm")
+    c = _controller(per_row=0.002, full=0.004, context=0.0005)
+    sure = _chain_trees(0.6)
+    lookup_only = _host_tree(_lookup_chain(0.99, nodes=8))
+    drafted = {False: 0, True: 0}
+    for step in range(200):
+        with_lookup = step % 2 == 1
+        if c.draft_next(1, with_lookup=with_lookup):
+            drafted[with_lookup] += 1
+            if with_lookup:
+                c.choose(sure, lookup_only=lookup_only)
+            else:
+                c.choose(sure)
+    assert drafted[False] == 100, drafted  # every step without lookup
+    assert drafted[True] < 20, drafted  # probes only
 
 
 def test_branch_rows_are_charged_per_row():
@@ -572,7 +595,7 @@ def test_branch_rows_are_charged_per_row():
     star = tree_from_parents([[-1, 0] + [0] * 7], [list(range(9))], max_depth=2,
                              scores=chain.scores.tolist())
     assert c.charged_nodes(chain).sum() == 0 and c.charged_nodes(star).sum() == 7
-    c._drafting = True
+    c._switch.drafting = True
     every_row = torch.tensor([0])
     kept_chain = int(c.choose(chain, lookup_rows=every_row).sum())
     kept_star = int(c.choose(star, lookup_rows=every_row).sum())

@@ -102,7 +102,7 @@ def test_forced_drafter_skips_stay_exact(pairs, plain, monkeypatch):
     pair: output unchanged, and drafts after the skips are still accepted."""
     calls = {"n": 0}
 
-    def draft_next(self, num_reqs):
+    def draft_next(self, num_reqs, **kwargs):
         calls["n"] += 1
         if 3 <= calls["n"] <= 8 or calls["n"] % 5 == 0:
             self.num_skipped_steps += 1
@@ -128,8 +128,8 @@ def test_shallow_trees_draft_a_shorter_block(pairs, plain, monkeypatch):
     calls, passes = {"n": 0}, []
     draft_next = budget_control.BudgetController.draft_next
 
-    def alternating_depth(self, num_reqs):
-        drafting = draft_next(self, num_reqs)
+    def alternating_depth(self, num_reqs, **kwargs):
+        drafting = draft_next(self, num_reqs, **kwargs)
         calls["n"] += 1
         self.draft_depth = 1 + calls["n"] % (BLOCK_SIZE - 1)  # 1 .. L - 1, then L
         return drafting
@@ -177,7 +177,7 @@ def test_skipped_drafter_steps_keep_its_context_complete(pairs, monkeypatch):
         logits = {}
         calls = {"n": 0}
 
-        def draft_next(self, num_reqs):
+        def draft_next(self, num_reqs, **kwargs):
             calls["n"] += 1
             if skip(calls["n"]):
                 self.num_skipped_steps += 1
@@ -256,7 +256,7 @@ def test_drafter_cost_samples_leave_out_context_flushes(pairs, monkeypatch):
         samples.append((full, seconds))
         return record(self, full, num_reqs, seconds, depth)
 
-    def draft_next(self, num_reqs):
+    def draft_next(self, num_reqs, **kwargs):
         calls["n"] += 1
         if calls["n"] % 4 in (1, 2):  # runs of two context-only steps
             self.num_skipped_steps += 1

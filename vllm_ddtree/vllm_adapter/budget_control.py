@@ -90,6 +90,43 @@ class StepPrices(NamedTuple):
     plain: float  # seconds of a plain target step of the batch
 
 
+class DraftingSwitch:
+    """Whether drafting pays, from running means over drafted batches (weight
+    ``memory`` on the past, about 1 / (1 - memory) batches): the tokens the
+    best prefix commits, the seconds of that step (verify + next full pass),
+    and the tokens the alternative (no drafter pass) commits in those
+    seconds. A ratio of means, not a mean of ratios: a long step weighs what
+    it costs."""
+
+    def __init__(self) -> None:
+        self.mean_tokens = 0.0
+        self.mean_seconds = 0.0
+        self.mean_plain_tokens = 0.0
+        # Whether drafting is on; the first drafted batch must show a gain.
+        self.drafting = False
+        # Context-only passes left before the next probe.
+        self.skip_left = 0
+
+    @property
+    def advantage(self) -> float | None:
+        """Tokens per second drafting over the alternative (None before the
+        first drafted batch)."""
+        if self.mean_plain_tokens <= 0:
+            return None
+        return self.mean_tokens / self.mean_plain_tokens
+
+    def record(
+        self, tokens: float, seconds: float, plain_tokens: float, memory: float
+    ) -> None:
+        """One drafted batch (the first sets the means)."""
+        memory = memory if self.mean_plain_tokens > 0 else 0.0
+        self.mean_tokens = memory * self.mean_tokens + (1 - memory) * tokens
+        self.mean_seconds = memory * self.mean_seconds + (1 - memory) * seconds
+        self.mean_plain_tokens = (
+            memory * self.mean_plain_tokens + (1 - memory) * plain_tokens
+        )
+
+
 class BudgetController:
     """Chooses each step's node budget per request, and when to draft at all."""
 
@@ -155,7 +192,6 @@ class BudgetController:
         self.full_depth_every = 16
         self._deepest: list[int] = []
         self._drafted = 0
-        self._skip_left = 0
         # [B + 1] int64: request-steps of drafted steps that got 0, 1, ..., B
         # nodes (device); the request-steps of context-only steps (0 nodes) are
         # counted on the host. ``chosen_histogram`` is both.
@@ -171,17 +207,17 @@ class BudgetController:
         self._last_skipped = 0
         # <<< lookup
         self.num_skipped_steps = 0
-        # Running means over drafted batches (weight ``advantage_memory`` on the
-        # past, about 1 / (1 - memory) batches): tokens the best prefix commits,
-        # the seconds of that step (verify + next full pass), and the tokens
-        # decoding without drafts commits in those seconds. A ratio of means,
-        # not a mean of ratios: a long step weighs what it costs.
+        # Whether drafting pays (running means over drafted batches, weight
+        # ``advantage_memory`` on the past) against decoding without drafts.
         self.advantage_memory = 0.75
-        self._mean_tokens = 0.0
-        self._mean_seconds = 0.0
-        self._mean_plain_tokens = 0.0
-        # Whether drafting is on; the first drafted batch must show a gain.
-        self._drafting = False
+        self._switch = DraftingSwitch()
+        # >>> lookup
+        # Batches with lookup trees weigh drafting against verifying those
+        # trees alone, batches without against plain steps: one switch each,
+        # so a drafter that does not pay beside lookup still drafts where
+        # the lookup has nothing to propose.
+        self._switches = {False: self._switch, True: DraftingSwitch()}
+        # <<< lookup
         # Hysteresis of the draft / skip switch on the advantage: drafting starts
         # above 1 + min_gain and stops below 1 - max_loss (step times on a shared
         # CPU spread by +-30%, and a switch costs a drafter pass or a probe run).
@@ -222,9 +258,7 @@ class BudgetController:
     def advantage(self) -> float | None:
         """Committed tokens per second drafting every step over decoding
         without drafts, from the drafted batches so far (None before the first)."""
-        if self._mean_plain_tokens <= 0:
-            return None
-        return self._mean_tokens / self._mean_plain_tokens
+        return self._switch.advantage
 
     # ------------------------------------------------------------------ #
     # Measurements
@@ -434,22 +468,27 @@ class BudgetController:
         """One drafted batch: ``tokens`` its best prefix commits in ``seconds``
         (verify step + next full pass), ``plain_tokens`` what decoding without
         drafts commits in as long. The first batch sets the means."""
-        memory = self.advantage_memory if self._mean_plain_tokens > 0 else 0.0
-        self._mean_tokens = memory * self._mean_tokens + (1 - memory) * tokens
-        self._mean_seconds = memory * self._mean_seconds + (1 - memory) * seconds
-        self._mean_plain_tokens = (
-            memory * self._mean_plain_tokens + (1 - memory) * plain_tokens
-        )
+        self._switch.record(tokens, seconds, plain_tokens, self.advantage_memory)
 
-    def draft_next(self, num_reqs: int) -> bool:
+    def draft_next(
+        self,
+        num_reqs: int,
+        # >>> lookup
+        with_lookup: bool = False,
+        # <<< lookup
+    ) -> bool:
         """Whether the coming drafter pass over ``num_reqs`` requests should
         draft (else: context only; its requests count as 0 nodes chosen)."""
+        # >>> lookup
+        # ``with_lookup``: the batch has lookup trees this step.
+        self._switch = self._switches[bool(with_lookup)]
+        # <<< lookup
         self._steps += 1
         skip = bool(self._full_drafter_costs) and (
             not self.context_drafter_cost.ready or self._steps % self.retime_every == 0
         )  # time a context-only pass now and then: what skipping would save
-        if not skip and self._skip_left > 0:
-            self._skip_left -= 1
+        if not skip and self._switch.skip_left > 0:
+            self._switch.skip_left -= 1
             skip = True
         if skip:
             self.num_skipped_steps += 1
@@ -758,21 +797,21 @@ class BudgetController:
         # This batch as a sample of drafting every step: its best prefix's step.
         seconds = float(verify[int(drafted_nodes)] + drafted_charges + full)
         self._record_advantage(drafting * seconds, seconds, plain * seconds)
-        if self._drafting:
-            self._drafting = self.advantage >= 1 - self.max_loss
+        if self._switch.drafting:
+            self._switch.drafting = self.advantage >= 1 - self.max_loss
         else:
-            self._drafting = self.advantage > 1 + self.min_gain
-        if not self._drafting:
+            self._switch.drafting = self.advantage > 1 + self.min_gain
+        if not self._switch.drafting:
             # Context-only passes, then a probe. Its expected loss against
             # decoding without drafts: at most its pass over a context-only
             # one (its tree is then verified only as far as it pays), at most
             # what a drafting step loses on average.
             loss = min(
                 max(full - context, 0.0),
-                max(self._mean_seconds - self._mean_tokens / plain, 0.0),
+                max(self._switch.mean_seconds - self._switch.mean_tokens / plain, 0.0),
             )
             # Skipped steps per probe such that loss <= share * (run + 1) steps.
-            self._skip_left = int(
+            self._switch.skip_left = int(
                 min(
                     self.max_skip,
                     max(
@@ -792,7 +831,7 @@ class BudgetController:
         # this step (or of plain decoding, when no drafted prefix does) over the
         # seconds one more verify row costs (past the first node: the tree's
         # own overhead is the drafting decision's, not a node's).
-        rate = drafting if self._drafting else max(skipping, plain)
+        rate = drafting if self._switch.drafting else max(skipping, plain)
         k = min(max(int(drafted_nodes), 1), verify.shape[0] - 2)
         self._node_price = max(rate * float(verify[k + 1] - verify[k]), 0.0)
         counts = torch.minimum(counts, num_nodes)

@@ -537,7 +537,12 @@ class DDTreeVerifier:
         num_reqs = runner.input_batch.num_reqs
         self._propose_started = time.perf_counter()
         drafter.flush_seconds = 0.0
-        drafter.draft_this_step = budget.draft_next(num_reqs)
+        drafter.draft_this_step = budget.draft_next(
+            num_reqs,
+            # >>> lookup
+            with_lookup=bool(self._lookup_rows),
+            # <<< lookup
+        )
         drafter.draft_depth = budget.draft_depth
         if drafter.draft_this_step:
             return None
@@ -1048,49 +1053,53 @@ def _verify_batch(
 def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     """Feeds the auto budget what the target accepted of the verified trees."""
     tree = step.tree
-    probs = torch.zeros(tree.num_reqs, tree.num_rows)
-    verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
-    grammar = torch.zeros(tree.num_reqs, dtype=torch.bool)
-    union = torch.zeros(tree.num_reqs, dtype=torch.bool)
+    union = [False] * tree.num_reqs
     # >>> lookup
     if verifier.lookup is not None:
         req_ids = verifier.runner.input_batch.req_ids[: tree.num_reqs]
-        union = torch.tensor(
-            verifier.lookup.union_rows(
-                req_ids, step.parents, step.tokens, step.num_drafts
-            ),
-            dtype=torch.bool,
+        union = verifier.lookup.union_rows(
+            req_ids, step.parents, step.tokens, step.num_drafts
         )
     # <<< lookup
+    # Requests verified as a chain (no path probabilities) count nowhere;
+    # grammar-built trees (probabilities renormalised over the allowed tokens)
+    # have their own calibration.
+    # >>> lookup
+    # So do trees holding lookup nodes (union rows; the lookup's calibration is
+    # on the host, fed in before_propose): a step of lookup trees alone does no
+    # device work here.
+    # <<< lookup
+    rows = {False: [], True: []}  # grammar-built: batch rows
     for b, n in enumerate(step.num_drafts):
         scheduled = step.scheduled[b] if step.scheduled else None
         if n == 0 or scheduled is None or scheduled.path_probs is None:
             continue
-        probs[b, 1 : n + 1] = torch.tensor(scheduled.path_probs)
-        verified[b, 1 : n + 1] = True
-        grammar[b] = scheduled.grammar_shaped
-    if bool(verified.any()):
-        device = tree.depths.device
-        probs, verified, grammar, union = (
-            torch_utils.async_tensor_h2d(x, device=device)
-            for x in (probs, verified, grammar, union)
+        if scheduled.grammar_shaped or not union[b]:
+            rows[bool(scheduled.grammar_shaped)].append(b)
+    if not rows[False] and not rows[True]:
+        return
+    probs = torch.zeros(tree.num_reqs, tree.num_rows)
+    verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
+    selected = torch.zeros(2, tree.num_reqs, dtype=torch.bool)
+    for grammar_shaped, batch_rows in rows.items():
+        for b in batch_rows:
+            n = step.num_drafts[b]
+            probs[b, 1 : n + 1] = torch.tensor(step.scheduled[b].path_probs)
+            verified[b, 1 : n + 1] = True
+            selected[int(grammar_shaped), b] = True
+    device = tree.depths.device
+    probs, verified, selected = (
+        torch_utils.async_tensor_h2d(x, device=device)
+        for x in (probs, verified, selected)
+    )
+    for calibration, chosen in (
+        (verifier.budget.calibration, selected[0]),
+        (verifier.budget.grammar_calibration, selected[1]),
+    ):
+        calibration.update(
+            probs, tree.depths, verified & chosen.unsqueeze(1),
+            torch.where(chosen, out.num_accepted, 0),
         )
-        # Requests verified as a chain (no path probabilities) count nowhere;
-        # grammar-built trees (probabilities renormalised over the allowed
-        # tokens) have their own calibration.
-        # >>> lookup
-        # So do trees holding lookup nodes (union rows; the lookup's
-        # calibration is on the host, fed in before_propose).
-        # <<< lookup
-        reached = verified.any(dim=1)
-        for calibration, rows in (
-            (verifier.budget.calibration, reached & ~grammar & ~union),
-            (verifier.budget.grammar_calibration, reached & grammar),
-        ):
-            calibration.update(
-                probs, tree.depths, verified & rows.unsqueeze(1),
-                torch.where(rows, out.num_accepted, 0),
-            )
 
 
 # <<< auto budget
