@@ -653,3 +653,49 @@ def test_a_lookup_only_step_charges_tree_overhead_per_request_with_a_tree():
     assert c.choose_lookup_only(batch) == [4] + [0] * 7
     # Eight such chains: each pays for its own request's overhead too.
     assert c.choose_lookup_only(chain * 8) == [4] * 8
+
+
+def test_each_verified_tree_feeds_its_own_calibration():
+    """The runner's ``_calibrate``: a drafter-only tree feeds the drafter's
+    calibration, a grammar-built tree the grammar's, a tree holding lookup
+    nodes neither (the lookup's calibration is fed on the host); a step of
+    lookup trees alone changes nothing, not even by forgetting."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_ddtree.tree import tree_from_parents
+    from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+    from vllm_ddtree.vllm_adapter.draft_trees import ScheduledDraftTree
+    from vllm_ddtree.vllm_adapter.runner import _calibrate
+
+    parents = [[-1, 0, 1]] * 3
+    tree = tree_from_parents(parents, [[5, 6, 7]] * 3, max_depth=2)
+    scheduled = [
+        ScheduledDraftTree([-1, 0, 1], [0.8, 0.4]),  # the drafter's
+        ScheduledDraftTree([-1, 0, 1], [0.5, 0.25], grammar_shaped=True),
+        ScheduledDraftTree([-1, 0, 1], [0.9, 0.6]),  # a union tree
+    ]
+    step = SimpleNamespace(tree=tree, num_drafts=[2, 2, 2], scheduled=scheduled,
+                           parents=parents, tokens=[[5, 6, 7]] * 3)
+
+    def verifier(union):
+        budget = BudgetController(max_depth=2, budget=2, device="cpu", max_rows=16,
+                                  max_reqs=4)
+        lookup = SimpleNamespace(union_rows=lambda *args: union)
+        runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
+        return SimpleNamespace(budget=budget, lookup=lookup, runner=runner)
+
+    out = SimpleNamespace(num_accepted=torch.tensor([1, 2, 2]))
+    v = verifier([False, False, True])
+    _calibrate(v, step, out)
+    assert v.budget.calibration.predicted.tolist() == pytest.approx([0, 0.8, 0.4])
+    assert v.budget.calibration.accepted.tolist() == [0, 1, 0]
+    assert v.budget.grammar_calibration.predicted.tolist() == pytest.approx(
+        [0, 0.5, 0.25])
+    assert v.budget.grammar_calibration.accepted.tolist() == [0, 1, 1]
+    # Lookup trees alone: no evidence for either calibration, no decay.
+    lookup_only = SimpleNamespace(**{**vars(step), "scheduled": [scheduled[2]] * 3})
+    v = verifier([True, True, True])
+    v.budget.calibration.predicted += 1.0
+    _calibrate(v, lookup_only, out)
+    assert v.budget.calibration.predicted.tolist() == [1.0, 1.0, 1.0]

@@ -14,6 +14,7 @@ import torch
 from vllm_ddtree.lookup_tree import FROM_LOOKUP, LookupDraft, build_union_tree
 from vllm_ddtree.tree import build_ddtree, draft_top_k, tree_from_parents
 from vllm_ddtree.vllm_adapter.lookup_step import BatchLookup
+from vllm_ddtree.vllm_adapter.step import max_depth
 
 BUDGET = 6
 DEPTH = 3
@@ -47,18 +48,10 @@ def lookup_only(lookup, req_ids, rows, num_nodes=None):
     trees = lookup.lookup_only_trees(req_ids, unions, num_nodes)
     if trees is None:
         return None
-    tokens, parents, log_scores = zip(*trees, strict=True)
-    depth = max(max(union_depths(p)) for p in parents)
+    tokens, parents, log_scores = (list(x) for x in zip(*trees, strict=True))
     return tree_from_parents(
-        list(parents), list(tokens), max_depth=max(depth, 1), scores=list(log_scores)
+        parents, tokens, max_depth=max(max_depth(parents), 1), scores=log_scores
     )
-
-
-def union_depths(parents):
-    depths = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    return depths
 
 
 def drafter_trees(num_reqs, seed=0):

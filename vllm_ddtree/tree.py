@@ -503,7 +503,7 @@ def tree_from_parents(
     words = (rows + 31) // 32
     padded = np.zeros((num_reqs, rows, words * 32), dtype=bool)
     padded[..., :rows] = vis
-    packed = np.packbits(padded, axis=-1, bitorder="little").view("<i4")
+    packed = np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
     rows_idx = np.arange(rows)
     return DraftTree(
         tokens=torch.from_numpy(tok).to(device),
@@ -519,6 +519,6 @@ def tree_from_parents(
         retrieve_next_token=torch.from_numpy(first_child).to(device),
         retrieve_next_sibling=torch.from_numpy(next_sibling).to(device),
         visibility=vis_t,
-        visibility_packed=torch.from_numpy(packed.astype(np.int32)).to(device),
+        visibility_packed=torch.from_numpy(packed).to(device),
         max_depth=max_depth,
     )

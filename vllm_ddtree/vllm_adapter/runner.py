@@ -1069,36 +1069,39 @@ def _calibrate(verifier: DDTreeVerifier, step: StepTrees, out) -> None:
     # on the host, fed in before_propose): a step of lookup trees alone does no
     # device work here.
     # <<< lookup
-    rows = {False: [], True: []}  # grammar-built: batch rows
+    drafter_rows, grammar_rows = [], []
     for b, n in enumerate(step.num_drafts):
         scheduled = step.scheduled[b] if step.scheduled else None
         if n == 0 or scheduled is None or scheduled.path_probs is None:
             continue
-        if scheduled.grammar_shaped or not union[b]:
-            rows[bool(scheduled.grammar_shaped)].append(b)
-    if not rows[False] and not rows[True]:
+        if scheduled.grammar_shaped:
+            grammar_rows.append(b)
+        elif not union[b]:
+            drafter_rows.append(b)
+    if not drafter_rows and not grammar_rows:
         return
     probs = torch.zeros(tree.num_reqs, tree.num_rows)
     verified = torch.zeros(tree.num_reqs, tree.num_rows, dtype=torch.bool)
-    selected = torch.zeros(2, tree.num_reqs, dtype=torch.bool)
-    for grammar_shaped, batch_rows in rows.items():
+    chosen = torch.zeros(2, tree.num_reqs, dtype=torch.bool)  # drafter, grammar
+    for which, batch_rows in enumerate((drafter_rows, grammar_rows)):
         for b in batch_rows:
             n = step.num_drafts[b]
             probs[b, 1 : n + 1] = torch.tensor(step.scheduled[b].path_probs)
             verified[b, 1 : n + 1] = True
-            selected[int(grammar_shaped), b] = True
+        chosen[which, batch_rows] = True
     device = tree.depths.device
-    probs, verified, selected = (
+    probs, verified, chosen = (
         torch_utils.async_tensor_h2d(x, device=device)
-        for x in (probs, verified, selected)
+        for x in (probs, verified, chosen)
     )
-    for calibration, chosen in (
-        (verifier.budget.calibration, selected[0]),
-        (verifier.budget.grammar_calibration, selected[1]),
+    for calibration, rows in zip(
+        (verifier.budget.calibration, verifier.budget.grammar_calibration),
+        chosen,
+        strict=True,
     ):
         calibration.update(
-            probs, tree.depths, verified & chosen.unsqueeze(1),
-            torch.where(chosen, out.num_accepted, 0),
+            probs, tree.depths, verified & rows.unsqueeze(1),
+            torch.where(rows, out.num_accepted, 0),
         )
 
 
