@@ -125,6 +125,8 @@ class StepTimers:
         self.wrap(proposer, "build_ddtree", "tree_build")
         # Inside "draft": the drafter's LM head (and, for a reduced vocabulary, only it).
         self.wrap(proposer.DDTreeProposer, "_compute_draft_logits", "draft_logits")
+        # One drafter pass (forward, LM head, trees; skipped steps never get here).
+        self.wrap(proposer.DDTreeProposer, "propose", "drafter_pass")
         self.wrap(draft_trees.ProposedTrees, "put", "tree_stash")
         self.wrap(runner, "build_step_trees", "tree_attach")
         self.wrap(attn_context.TreeAttentionBatch, "from_tree", "tree_attach")
@@ -223,6 +225,9 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
     # The drafter's tree alone (lookup off; the default is lookup on).
     for name in [n for n in specs if n.startswith("ddtree-")]:
         specs[name + NO_LOOKUP] = {**specs[name], "ddtree_lookup": "off"}
+    # The drafter in its checkpoint's dtype (the default on CPU is int8 GEMMs).
+    for name in [n for n in specs if n.startswith(("ddtree-", "chain"))]:
+        specs[name + FP_DRAFTER] = {**specs[name], "ddtree_drafter_quantization": "none"}
     # vLLM's own lookup methods, K = chain K tokens per step.
     specs["suffix"] = {"method": "suffix", "num_speculative_tokens": chain_k}
     specs["ngram"] = {"method": "ngram", "num_speculative_tokens": chain_k,
@@ -233,6 +238,8 @@ def method_specs(drafter: str, budgets: list[int], chain_k: int) -> dict[str, di
 FRESH_NOTE = (" at batch 1; every (temperature, batch) has its own "
               "prompts, disjoint from the others' (max(that, b) per dataset at batch b)")
 NO_LOOKUP = "-nolookup"  # method-name suffix: ddtree with ddtree_lookup="off"
+# Method-name suffix: ddtree with ddtree_drafter_quantization="none".
+FP_DRAFTER = "-fpdrafter"
 
 
 def load_prompt_sets(args, tokenizer, per_dataset: int | None = None
@@ -422,6 +429,8 @@ def _result(engine: MethodEngine, sums: dict, temperature, batch, ds, timers) ->
            "verify_steps": delta["drafts"], "steps": timers.calls["step"] // 2,
            "step_split_s": timers.split(),
            "draft_lm_head_s": round(timers.totals["draft_logits"], 4),
+           "drafter_passes": timers.calls["drafter_pass"],
+           "drafter_pass_s": round(timers.totals["drafter_pass"], 4),
            "accepted": delta["accepted"],
            "accepted_by_source": dict(sums["lookup"]),
            "outputs": sums["outputs"]}
@@ -451,6 +460,9 @@ def aggregate(results: list[dict]) -> list[dict]:
                      "tokens_per_s": out / wall, "tau": tau, "hist": hist, "wall_s": wall,
                      "output_tokens": out, "split_s": split,
                      "draft_lm_head_s": sum(r.get("draft_lm_head_s", 0.0) for r in rs),
+                     "steps": sum(r.get("steps", 0) for r in rs),
+                     "drafter_passes": sum(r.get("drafter_passes", 0) for r in rs),
+                     "drafter_pass_s": sum(r.get("drafter_pass_s", 0.0) for r in rs),
                      "per_dataset_tau": {r["dataset"]: r["tau"] for r in rs},
                      "accepted": sum(r.get("accepted", 0) for r in rs),
                      "accepted_by_source": {
@@ -513,6 +525,25 @@ def report(out_dir: Path, tag: str, info: dict, rows: list[dict], identity: dict
                     + (f" | {100 * r['draft_lm_head_s'] / r['split_s']['draft']:.0f} |"
                        if r["split_s"]["draft"] > 0 and r["draft_lm_head_s"] else " | - |"))
             lines.append("")
+    passes = [r for r in rows if r.get("drafter_passes")]
+    if passes:
+        lines += ["## Drafter passes", "",
+                  "A pass: the drafter's forward over the block, its LM head and the "
+                  "trees (`DDTreeProposer.propose`; skipped steps only queue context "
+                  "K/V). Against the plain step of no speculation at the same T and "
+                  "batch (`execute_model` + `sample_tokens`).", "",
+                  "| method | T | batch | steps | drafter passes | ms / pass | plain step ms "
+                  "| pass / plain step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in passes:
+            base = next((b for b in rows if b["method"] == "nospec"
+                         and b["temperature"] == r["temperature"]
+                         and b["batch"] == r["batch"]), None)
+            plain = step_ms(base) if base else None
+            ms = drafter_pass_ms(r)
+            lines.append(f"| {r['method']} | {r['temperature']} | {r['batch']} | "
+                         f"{r['steps']} | {r['drafter_passes']} | {fmt(ms, 2)} | "
+                         f"{fmt(plain, 2)} | {fmt(ms / plain if plain else None, 3)} |")
+        lines.append("")
     split_rows = [r for r in rows if r.get("accepted") and any(
         r.get("accepted_by_source", {}).values())]
     if split_rows:
@@ -607,6 +638,15 @@ def evaluate_goals(rows: list[dict], budgets: list[int], identity: dict[str, boo
                     if on and off and on["tau"] and off["tau"]:
                         add(f"lookup: tau ddtree-{b} / ddtree-{b}{NO_LOOKUP}, T=0 batch "
                             f"{batch}", on["tau"] / off["tau"], 1.3)
+    # Cheap verify steps (issue 46): one drafter pass against a plain step, batch 1.
+    for temp in sorted({r["temperature"] for r in rows}):
+        base = get("nospec", temp, 1)
+        plain = step_ms(base) if base else None
+        for r in rows:
+            if (r["temperature"] == temp and r["batch"] == 1 and plain
+                    and r.get("drafter_passes", 0) >= 20):
+                add(f"cost: drafter pass / plain step, {r['method']} T={temp} batch 1",
+                    drafter_pass_ms(r) / plain, 0.12, higher_is_better=False)
     if identity:
         add("greedy output identical to nospec (fraction of methods)",
             sum(identity.values()) / len(identity), 1.0)
@@ -615,8 +655,20 @@ def evaluate_goals(rows: list[dict], budgets: list[int], identity: dict[str, boo
     return goals
 
 
+def step_ms(row: dict) -> float | None:
+    """Mean engine step (execute_model + sample_tokens) of a row, ms."""
+    steps = row.get("steps", 0)
+    return 1000 * sum(row["split_s"].values()) / steps if steps else None
+
+
+def drafter_pass_ms(row: dict) -> float | None:
+    passes = row.get("drafter_passes", 0)
+    return 1000 * row["drafter_pass_s"] / passes if passes else None
+
+
 def goal_lines(goals: list[dict]) -> list[str]:
-    return [f"{g['name']}: {fmt(g['value'], 3)} (goal {'<=' if 'share' in g['name'] else '>='} "
+    return [f"{g['name']}: {fmt(g['value'], 3)} (goal "
+            f"{'<=' if 'share' in g['name'] or g['name'].startswith('cost') else '>='} "
             f"{g['target']}): {'PASS' if g['pass'] else 'FAIL'}" for g in goals]
 
 

@@ -104,7 +104,9 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
     llm = vllm.LLM(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=256,
                    speculative_config={"method": "ddtree", "model": str(tmp_path / "drafter"),
                                        "num_speculative_tokens": 8,
-                                       "ddtree_budget": "fixed"})
+                                       "ddtree_budget": "fixed",
+                                       # the checkpoint's own arithmetic
+                                       "ddtree_drafter_quantization": "none"})
     out = llm.generate([{"prompt_token_ids": PROMPT}],
                        vllm.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                        use_tqdm=False)

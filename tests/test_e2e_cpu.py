@@ -23,6 +23,7 @@ from vllm_ddtree.ops import cpu_ext
 from vllm_ddtree.vllm_adapter import plugin_cpu_attention
 from vllm_ddtree.vllm_adapter import runner as runner_module
 from vllm_ddtree.vllm_adapter.draft_trees import record_of
+from vllm_ddtree.vllm_adapter.drafter_weights import int8_supported
 
 vllm = pytest.importorskip("vllm")
 
@@ -97,9 +98,29 @@ def generate(
         if runner is not None
         else 0,
         "draft_len": runner.drafter.draft_len if runner is not None else 0,
+        # Layers on vLLM's int8 GEMM (ddtree_drafter_quantization): the
+        # drafter's, the target's.
+        "int8_layers": int8_layers(runner) if runner is not None else (0, 0, 0),
     }
     del llm
     return tokens, stats
+
+
+def int8_layers(runner) -> tuple[int, int, int]:
+    """Layers on vLLM's int8 GEMM: the drafter's, the target's; and the
+    drafter's own linear layers and LM head (not shared with the target)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    def swapped(model):
+        return sum(hasattr(m, "ddtree_int8_kernel") for m in model.modules())
+
+    target = {id(m) for m in runner.model.modules()}
+    own = sum(
+        isinstance(m, (LinearBase, ParallelLMHead)) and id(m) not in target
+        for m in runner.drafter.model.modules()
+    )
+    return swapped(runner.drafter.model), swapped(runner.model), own
 
 
 def ddtree(drafter, budget):
@@ -118,18 +139,28 @@ def reference(models):
     return p, {kind: generate(models[kind][0], p)[0] for kind in models}
 
 
-@pytest.mark.parametrize("budget,batch", [(1, 8), (4, 1), (16, 8), (64, 8)])
-def test_random_drafter_is_lossless(models, reference, budget, batch):
+@pytest.mark.parametrize(
+    "budget,batch,quantization",
+    [(1, 8, "auto"), (4, 1, "none"), (16, 8, "auto"), (64, 8, "auto")],
+)
+def test_random_drafter_is_lossless(models, reference, budget, batch, quantization):
     p, ref = reference
-    out, stats = generate(
-        models["random"][0], p[:batch], ddtree(models["random"][1], budget)
-    )
+    spec = ddtree(models["random"][1], budget)
+    spec["ddtree_drafter_quantization"] = quantization
+    out, stats = generate(models["random"][0], p[:batch], spec)
     assert out == ref["random"][:batch]
     assert stats["drafts"] > 0
+    # "auto": the drafter's own linear layers (and LM head, where it has one)
+    # in int8 where vLLM's CPU int8 GEMM runs, never the target's.
+    drafter, target, own = stats["int8_layers"]
+    int8 = quantization == "auto" and int8_supported()[0]
+    assert own > 0 and target == 0, stats
+    assert drafter == (own if int8 else 0), stats
 
 
 def test_oracle_pair_accepts_everything(models, reference):
     p, ref = reference
+    # The drafter in int8 where it runs ("auto"): its drafts are still right.
     out, stats = generate(models["oracle"][0], p, ddtree(models["oracle"][1], 16))
     print("oracle pair:", stats)
     assert out == ref["oracle"]
@@ -218,6 +249,7 @@ def test_siblings_are_accepted_and_committed(
         ({"ddtree_verify": "leviathan"}, "ddtree_verify"),
         ({"ddtree_threshold_acc": 0.0}, "ddtree_threshold_acc"),
         ({"ddtree_max_children": 0}, "ddtree_max_children"),
+        ({"ddtree_drafter_quantization": "fp4"}, "ddtree_drafter_quantization"),
         ({"model": None}, 'needs "model"|without speculative model'),
     ],
 )

@@ -56,6 +56,14 @@ class DDTreeConfig:
     kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
     """Verification backend: ``"auto"`` (CUDA extension > Triton > torch), ``"cuda"``,
     ``"triton"`` or ``"torch"``."""
+    drafter_quantization: Literal["auto", "int8", "none"] = "auto"
+    """The drafter's linear layers and LM head in int8 (vLLM's CPU W8A8 GEMM,
+    weights per output channel, activations per token; the target is never
+    quantized): ``"int8"`` (CPU only), ``"none"`` (the checkpoint's dtype), or
+    ``"auto"``, which resolves at start-up to ``"int8"`` on CPU where vLLM has
+    its oneDNN GEMM, else ``"none"``. Drafts only steer speed (every draft is
+    verified by the target), so the output is the same either way; a drafter
+    pass on CPU streams its weights, and int8 reads a quarter of the bytes."""
     # >>> auto budget
     budget_mode: Literal["auto", "fixed"] | None = None
     """``"auto"``: B is the largest budget; each step keeps, per request, the tree
@@ -100,6 +108,7 @@ DDTREE_KEYS = {
     "ddtree_threshold_acc": "threshold_acc",
     "ddtree_kernel_backend": "kernel_backend",
     "ddtree_max_children": "max_children",
+    "ddtree_drafter_quantization": "drafter_quantization",
     # >>> auto budget
     "ddtree_budget": "budget_mode",
     # <<< auto budget
@@ -153,6 +162,11 @@ def _validate(cfg: DDTreeConfig) -> None:
             f"{cfg.lookup!r}"
         )
     # <<< lookup
+    if cfg.drafter_quantization not in ("auto", "int8", "none"):
+        raise ValueError(
+            "ddtree_drafter_quantization must be 'auto', 'int8' or 'none', got "
+            f"{cfg.drafter_quantization!r}"
+        )
     if cfg.kernel_backend not in ("auto", "cuda", "triton", "torch"):
         raise ValueError(
             "ddtree_kernel_backend must be 'auto', 'cuda', 'triton' or 'torch', got "
@@ -278,7 +292,11 @@ def resolve_ddtree_config(
                 "number of positions the DFlash drafter predicts, block_size - 1)"
             )
         draft_len = int(block) - 1
-    resolved = dataclasses.replace(ddtree, draft_len=draft_len)
+    resolved = dataclasses.replace(
+        ddtree,
+        draft_len=draft_len,
+        drafter_quantization=resolve_drafter_quantization(ddtree.drafter_quantization),
+    )
     # >>> lookup
     resolved = dataclasses.replace(resolved, lookup=resolve_lookup(resolved.lookup))
     # <<< lookup
@@ -292,6 +310,22 @@ def resolve_ddtree_config(
         resolved,
     )
     return resolved
+
+
+def resolve_drafter_quantization(quantization: str) -> str:
+    """``ddtree_drafter_quantization`` as served: ``"auto"`` becomes ``"int8"``
+    where vLLM's CPU int8 GEMM runs, else ``"none"``; ``"int8"`` elsewhere is
+    refused."""
+    from vllm_ddtree.vllm_adapter.drafter_weights import int8_supported
+
+    supported, why_not = int8_supported()
+    if quantization == "auto":
+        return "int8" if supported else "none"
+    if quantization == "int8" and not supported:
+        raise ValueError(
+            f"ddtree_drafter_quantization='int8': {why_not}; use 'none' or 'auto'"
+        )
+    return quantization
 
 
 # >>> lookup

@@ -18,14 +18,17 @@ import functools
 import time
 
 import torch
+from vllm.logger import init_logger
 from vllm.utils import torch_utils
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.tree import DraftTree, build_ddtree, draft_top_k
-from vllm_ddtree.vllm_adapter import attn_context
+from vllm_ddtree.vllm_adapter import attn_context, drafter_weights
 from vllm_ddtree.vllm_adapter.config import DDTreeConfig, get_ddtree_config
 
 __all__ = ["DDTreeProposer"]
+
+logger = init_logger(__name__)
 
 
 class DDTreeProposer(DFlashProposer):
@@ -96,7 +99,18 @@ class DDTreeProposer(DFlashProposer):
 
         # Recurrent (GDN) layers of a hybrid target, put on the tree path.
         self.num_recurrent_layers = gdn_state.install(target_model)
-        super().load_model(target_model, *args, **kwargs)
+        if self.ddtree.drafter_quantization != "int8":
+            super().load_model(target_model, *args, **kwargs)
+            return
+        # Drafts only steer speed: the drafter's GEMMs may round differently
+        # from its checkpoint's dtype (drafter_weights.py).
+        with drafter_weights.int8_linears_while_loading() as swapped:
+            super().load_model(target_model, *args, **kwargs)
+        logger.info(
+            "ddtree: the drafter's %d linear layers (LM head included) run in "
+            "int8 (ddtree_drafter_quantization='int8')",
+            len(swapped),
+        )
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # hidden_states: [R * depth, H], the mask positions, request-major.
