@@ -13,6 +13,7 @@ import torch
 
 from vllm_ddtree.budget import (
     AcceptanceCalibration,
+    ProfiledStepCost,
     StepCostModel,
     allocate_nodes,
     allocate_nodes_host,
@@ -194,6 +195,58 @@ def test_cost_model_forgets_old_load():
         model.update(rows, 2 * (0.010 + 0.001 * rows))
     for rows in (1, 50, 100):
         assert model.predict(rows) == pytest.approx(2 * (0.010 + 0.001 * rows), rel=0.02)
+
+
+def test_profiled_cost_keeps_the_profile_shape_at_the_real_level():
+    """Real plain steps at batch 1 all have one row, and cost more than the
+    start-up profile's forward (their sampling and input preparation): the
+    rows a verify step adds cost what the profile says they cost, on top of
+    the real level. (One curve fitted to both read flat from 1 to 16 rows:
+    the rows were free and their cost went to the per-tree overhead.)"""
+    rng = random.Random(1)
+
+    def shape(rows):  # the profile: forward + LM head
+        return 0.020 + 0.0005 * rows
+
+    model = ProfiledStepCost(max_rows=64)
+    assert not model.ready and model.estimate(3) is None
+    for rows in (1, 2, 4, 8, 16, 32, 64) * 2:
+        model.add_profile_sample(rows, shape(rows))
+    for _ in range(400):
+        model.update(1, shape(1) + 0.008 + rng.gauss(0, 0.002))
+    for rows in (1, 4, 8, 16, 40):
+        assert model.predict(rows) == pytest.approx(shape(rows) + 0.008, abs=6e-4), rows
+    knots, values = model.curve()
+    assert (values[1:] > values[:-1]).all()
+    # The machine slows down: the level follows.
+    for _ in range(600):
+        model.update(1, shape(1) + 0.020 + rng.gauss(0, 0.002))
+    assert model.predict(8) == pytest.approx(shape(8) + 0.020, abs=6e-4)
+    # Without a profile: the real steps' own fit.
+    alone = ProfiledStepCost(max_rows=64)
+    for rows in (1, 8, 64) * 10:
+        alone.update(rows, shape(rows))
+    assert alone.predict(8) == pytest.approx(shape(8), rel=1e-3)
+
+
+def test_tree_overhead_is_unbiased_under_step_noise():
+    """A step's time scatters by a few ms either way: the per-tree overhead is
+    the mean of the tree steps' excess over the plain model, noise included
+    (clipping each residual at 0 read 3x the true 1 ms)."""
+    pytest.importorskip("vllm")
+    from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+
+    rng = random.Random(2)
+    c = BudgetController(max_depth=4, budget=8, device="cpu", max_rows=64, max_reqs=8)
+    for rows in (1, 2, 4, 8, 16, 32, 64) * 2:
+        c.plain_step_cost.add_profile_sample(rows, 0.020 + 0.0005 * rows)
+    c.record_step(5, 1.0, 1)  # warm-up
+    for _ in range(3000):
+        if rng.random() < 0.5:
+            c.record_step(1, 0.020 + 0.0005 + rng.gauss(0, 0.003))
+        else:
+            c.record_step(5, 0.020 + 0.0025 + 0.001 + rng.gauss(0, 0.003), 1)
+    assert c.tree_overhead_cost.predict(1) == pytest.approx(0.001, abs=5e-4)
 
 
 def _controller(per_row, full=0.010, context=0.002):
@@ -699,3 +752,40 @@ def test_each_verified_tree_feeds_its_own_calibration():
     v.budget.calibration.predicted += 1.0
     _calibrate(v, lookup_only, out)
     assert v.budget.calibration.predicted.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_profile_times_the_lm_head_over_every_row():
+    """The start-up profile times what a verify step's rows cost: the forward
+    and the target's LM head over every row (vLLM's dummy run computes no
+    logits), the drafter's own dummy pass left out."""
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+
+    logits_rows = []
+
+    def compute_logits(hidden):  # 1 ms per row
+        logits_rows.append(hidden.shape[0])
+        time.sleep(0.001 * hidden.shape[0])
+
+    def drafter_dummy_run(*args, **kwargs):
+        time.sleep(0.05)
+
+    model = SimpleNamespace(compute_logits=compute_logits)
+    runner = SimpleNamespace(device="cpu", model=model)
+    runner.drafter = SimpleNamespace(dummy_run=drafter_dummy_run)
+
+    def dummy_run(rows):
+        runner.drafter.dummy_run(rows)
+        hidden = torch.zeros(rows + 3, 4)  # vLLM pads the batch
+        return hidden, hidden[:1]
+
+    runner._dummy_run = dummy_run
+    c = BudgetController(max_depth=4, budget=8, device="cpu", max_rows=16, max_reqs=4)
+    c.profile(runner, 16)
+    assert sorted(set(logits_rows)) == [1, 2, 4, 8, 16]
+    for rows in (1, 4, 16):
+        seconds = c.plain_step_cost.predict(rows)
+        assert 0.001 * rows <= seconds < 0.001 * rows + 0.04, (rows, seconds)
