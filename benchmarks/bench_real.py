@@ -530,8 +530,9 @@ def report(out_dir: Path, tag: str, info: dict, rows: list[dict], identity: dict
         lines += ["## Drafter passes", "",
                   "A pass: the drafter's forward over the block, its LM head and the "
                   "trees (`DDTreeProposer.propose`; skipped steps only queue context "
-                  "K/V, which an auto-budget pass then writes first). Against the plain step of no speculation at the same T and "
-                  "batch (`execute_model` + `sample_tokens`).", "",
+                  "K/V, which an auto-budget pass then writes first). Against the "
+                  "plain step of no speculation at the same T and batch "
+                  "(`execute_model` + `sample_tokens`).", "",
                   "| method | T | batch | steps | drafter passes | ms / pass | plain step ms "
                   "| pass / plain step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in passes:

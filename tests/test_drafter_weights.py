@@ -77,3 +77,29 @@ def test_swap_lasts_only_while_loading():
     with pytest.raises(RuntimeError), drafter_weights.int8_linears_while_loading():
         raise RuntimeError("a failed load")
     assert utils.dispatch_cpu_unquantized_gemm is stock
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_dispatch_keeps_float32_layers_on_onednn(monkeypatch, dtype):
+    """On AMX CPUs vLLM's int8 kernel takes its AMX GEMM, which refuses
+    float32 activations: a float32 drafter would fail in its first forward.
+    vLLM's AMX choice forced here: float32 layers compute as on any CPU,
+    bf16 layers take the AMX kernel's path (which runs on AVX-512 too)."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(3)).to(dtype)
+    plain = _Linear(96, 160, dtype, seed=4)
+    drafter_weights._int8_linear(plain, remove_weight=True)
+    expected = plain.cpu_linear(x, plain.weight, plain.bias)
+    monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: True)
+    has_amx_gemm = hasattr(torch.ops._C, "int8_scaled_mm_with_quant")
+    if dtype == torch.bfloat16 and not has_amx_gemm:
+        pytest.skip("the vLLM kernels loaded here have no AMX int8 GEMM")
+    amx = _Linear(96, 160, dtype, seed=4)
+    drafter_weights._int8_linear(amx, remove_weight=True)
+    got = amx.cpu_linear(x, amx.weight, amx.bias)
+    if dtype == torch.float32:
+        assert torch.equal(got, expected)
+    else:  # another kernel: within the rounding of its bf16 output and inputs
+        atol = 0.05 * expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=0.05, atol=atol)

@@ -347,12 +347,13 @@ class ProfiledStepCost:
 
     def update(self, rows: float, seconds: float) -> None:
         """One real plain step."""
-        self.observed.update(rows, seconds)
-        if self.profile.ready:
-            excess = seconds - float(self.profile.predict(rows))
-            # The mean of the samples so far until it has ~1 / (1 - decay).
-            self._excess_weight = self.decay * self._excess_weight + 1.0
-            self.excess += (excess - self.excess) / self._excess_weight
+        if not self.profile.ready:
+            self.observed.update(rows, seconds)
+            return
+        excess = seconds - float(self.profile.predict(rows))
+        # The mean of the samples so far until it has ~1 / (1 - decay).
+        self._excess_weight = self.decay * self._excess_weight + 1.0
+        self.excess += (excess - self.excess) / self._excess_weight
 
     @property
     def ready(self) -> bool:

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The drafter's linear layers and LM head in int8 on CPU (``ddtree_drafter_int8``).
+"""The drafter's linear layers and LM head in int8 on CPU
+(``ddtree_drafter_quantization``).
 
 A drafter pass on CPU is bound by the weights it streams: one pass of a DFlash
 drafter reads every weight of its layers and of its LM head once for a handful
@@ -63,6 +64,7 @@ def _int8_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
     from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
         Int8ScaledMMLinearLayerConfig,
     )
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     weight = layer.weight.detach()  # [N, K]
     dtype = weight.dtype
@@ -87,12 +89,15 @@ def _int8_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
         ),
         layer_param_names=_PARAM_NAMES,
     )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # the kernel's output dtype
-    try:
-        kernel.process_weights_after_loading(layer)
-    finally:
-        torch.set_default_dtype(previous)
+    with set_default_torch_dtype(dtype):  # the kernel's output dtype
+        if dtype in (torch.bfloat16, torch.float16):
+            kernel.process_weights_after_loading(layer)
+        else:
+            # On AMX CPUs vLLM's kernel picks its AMX int8 GEMM, which takes
+            # bf16 / fp16 activations only ("expect A to be bfloat16 or
+            # half"): float32 layers take its oneDNN path on every CPU.
+            kernel.process_weights_for_onednn(layer)
+            kernel.linear_method = kernel._apply_weights_onednn
     layer.ddtree_int8_kernel = kernel
     layer.cpu_linear = lambda x, weight, bias: kernel.apply_weights(layer, x, bias)
     if remove_weight:
