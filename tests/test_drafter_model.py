@@ -58,7 +58,7 @@ def draft_logits_in_torch(model, target_dir, prompt, bonus):
             "context_positions": torch.arange(n).unsqueeze(0),
             "bonus": torch.tensor([[bonus]]),
             "query_positions": torch.arange(n, n + BLOCK_SIZE).unsqueeze(0),
-            "mask": torch.ones(1, BLOCK_SIZE, n + BLOCK_SIZE, dtype=torch.bool),
+            "anchors": torch.tensor([[n]]),
         }
         embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
         ours = train.drafter_logits(model, embed, head, batch)[0, 0]
@@ -197,27 +197,102 @@ def test_draft_vocabulary_and_labels():
         model.set_draft_token_ids(torch.tensor([7, 7, 4]))
 
 
-def test_make_batch_masks_and_labels():
-    """Blocks see the context before their anchor and their own block only."""
+def test_make_batch_anchors_labels_and_soft_labels():
+    """Block a of a sequence is anchored at p (it sees context rows < p), slot j is
+    labelled with token p + j, and its soft label is the top-k stored on row
+    p + j - 1 (the row whose next token that is)."""
     index = FeatureIndex([0], 2, offsets=[0, 10], lengths=[10, 7], prompt_lengths=[4, 3],
-                         ids=[0, 1])
+                         ids=[0, 1], topk=2)
     feats = np.zeros((17, 2), dtype=np.int16)
     tokens = np.arange(100, 117, dtype=np.int32)
+    # Row r's top-1 is token r + 1 (as for greedy text), its top-2 an unrelated id.
+    topk_ids = np.stack([np.append(tokens[1:], 0), np.full(17, 7)], axis=1).astype(np.int32)
+    topk_logp = np.tile(np.array([-0.1, -2.5], dtype=np.float16), (17, 1))
     rng = np.random.default_rng(0)
-    batch = train.make_batch(index, feats, tokens, [0, 1], 2, 4, rng, torch.device("cpu"))
-    mask, labels, qpos = batch["mask"], batch["labels"], batch["query_positions"]
-    max_len = 10
+    batch = train.make_batch(index, feats, tokens, [0, 1], 3, 4, rng, torch.device("cpu"),
+                             (topk_ids, topk_logp))
+    labels, anchors = batch["labels"], batch["anchors"]
+    assert labels.shape == (2, 3, 3)
     for s, (off, n, plen) in enumerate([(0, 10, 4), (10, 7, 3)]):
-        for a in range(2):
-            p = int(qpos[s, a * 4])
-            assert plen <= p <= n - 2
+        ps = anchors[s].tolist()
+        assert ps == sorted(set(ps)) and all(plen <= p <= n - 2 for p in ps)
+        assert batch["features"].shape[1] == max(int(anchors[:, -1].max()), 1)
+        for a, p in enumerate(ps):
             assert batch["bonus"][s, a] == tokens[off + p]
-            rows = mask[s, a * 4:(a + 1) * 4]
-            assert rows[:, :p].all() and not rows[:, p:max_len].any()
-            own = rows[:, max_len:]
-            assert own[:, a * 4:(a + 1) * 4].all() and own.sum() == 16
+            assert batch["query_positions"][s, a * 4:(a + 1) * 4].tolist() == list(
+                range(p, p + 4))
             want = [int(tokens[off + p + j]) if p + j < n else -100 for j in range(1, 4)]
             assert labels[s, a].tolist() == want
+            valid = labels[s, a] >= 0
+            assert (batch["soft_ids"][s, a, valid, 0] == labels[s, a, valid]).all()
+            assert (batch["soft_ids"][s, a, valid, 1] == 7).all()
+
+
+def test_many_blocks_equal_each_block_alone():
+    """The batched forward (many anchors on one context pass, block-local attention)
+    computes for every block what the same block computes alone over exactly its
+    context: what vLLM's drafter serves (test_vllm_serves_the_trained_model_exactly).
+    Fails if blocks see each other or a context row at or past their anchor."""
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=3, vocab_size=50)
+    shape = DrafterShape.from_target(config, num_layers=2, target_layer_ids=[0, 1],
+                                     mask_token_id=1, block_size=4)
+    torch.manual_seed(0)
+    model = DFlashDrafter(shape)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0))
+    feats = torch.randn(2, 12, 64)
+    anchors = torch.tensor([[2, 5, 11], [9, 3, 0]])  # the last block of row 1: padding
+    embeds = torch.randn(2, 12, 32)
+    qpos = (anchors[:, :, None] + torch.arange(4)).flatten(1)
+    with torch.no_grad():
+        ctx = model.context_kv(feats, torch.arange(12).expand(2, 12))
+        together = model(embeds, qpos, ctx, anchors)
+        for s in range(2):
+            for a in range(3):
+                p = int(anchors[s, a])
+                rows = slice(4 * a, 4 * a + 4)
+                alone_ctx = model.context_kv(feats[s:s + 1, :max(p, 1)],
+                                             torch.arange(max(p, 1)).unsqueeze(0))
+                alone = model(embeds[s:s + 1, rows], qpos[s:s + 1, rows], alone_ctx,
+                              torch.tensor([[p]]))
+                torch.testing.assert_close(together[s, rows], alone[0], rtol=1e-5,
+                                           atol=1e-5)
+
+
+def test_soft_labels_pull_towards_the_target_distribution():
+    """distill = 1: the loss is the cross-entropy against the target's top-k
+    renormalised over the draft vocabulary, minimal (zero gradient) when the
+    drafter's distribution equals it; a top-k token outside the draft vocabulary
+    gets no mass."""
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      num_hidden_layers=2, vocab_size=10)
+    shape = DrafterShape.from_target(config, num_layers=1, target_layer_ids=[0],
+                                     mask_token_id=1, block_size=2, draft_vocab_size=4)
+    model = DFlashDrafter(shape)
+    model.set_draft_token_ids(torch.tensor([2, 3, 5, 7]))
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.eye(4, 8))
+    # Target top-3 over ids 3, 5, 9 with probs 0.5, 0.3, 0.2: 9 is not a draft token,
+    # so the soft label is 3: 5/8, 5: 3/8 over the draft vocabulary.
+    want = torch.tensor([0.0, 5 / 8, 3 / 8, 0.0])
+    batch = {"labels": torch.tensor([[[3]]]),
+             "soft_ids": torch.tensor([[[[3, 5, 9]]]]),
+             "soft_logprobs": torch.tensor([[[[0.5, 0.3, 0.2]]]]).log()}
+    weights = torch.ones(1)
+    at_target = torch.zeros(1, 1, 1, 8)
+    at_target[..., :4] = (want + 1e-30).log().clamp(min=-60)
+    hidden = at_target.requires_grad_()
+    loss = train.loss_fn(model, None, hidden, batch, weights, distill=1.0)
+    loss.backward()
+    assert hidden.grad[..., 1:3].abs().max() < 1e-6
+    entropy = -(want[1:3] * want[1:3].log()).sum()
+    assert loss.item() == pytest.approx(entropy.item(), rel=1e-5)
+    hard = train.loss_fn(model, None, at_target, batch, weights, distill=0.0)
+    assert hard.item() == pytest.approx(-np.log(5 / 8), rel=1e-5)
 
 
 def test_training_pipeline_with_a_draft_vocabulary(tmp_path):

@@ -19,11 +19,13 @@ from pathlib import Path
 
 from vllm_ddtree import assets
 
-DEFAULT_WORKDIR = assets.cache_root() / "drafter-work"
+DEFAULT_WORKDIR = assets.cache_root() / "drafter-work-v3"
 DEFAULT_EXPORT = Path(__file__).resolve().parent / "smollm2_135m"
 # The target's continuations, kept in the repository (token ids, gzip): the costly
-# stage, so that generation goes on across machines and sessions.
-DEFAULT_PACK = Path(__file__).resolve().parent / "generations" / "smollm2_135m.jsonl.gz"
+# stage, so that generation goes on across machines and sessions. v3: greedy, fp32
+# (v2's pack, smollm2_135m.jsonl.gz: bf16, a quarter sampled at T = 1).
+DEFAULT_PACK = (Path(__file__).resolve().parent / "generations"
+                / "smollm2_135m_fp32_greedy.jsonl.gz")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sharegpt", type=int, default=10000)
     p.add_argument("--num-code", type=int, default=3000)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--gen-dtype", default="float32",
+                   help="the target's precision for continuations and features")
+    p.add_argument("--sampled-every", type=int, default=0,
+                   help="N > 0: every N-th prompt sampled at T=1 (0: all greedy)")
+    p.add_argument("--topk", type=int, default=20,
+                   help="the target's top-k log-probs stored per token (soft labels)")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 9, 18, 27])
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
@@ -52,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-every-nth-seq", type=int, default=50,
                    help="sequence i is held out for evaluation when i %% N == 0")
-    p.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
+    p.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto",
                    help="forward precision (fp32 master weights either way)")
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="0: the target's LM head over its whole vocabulary; N: the "
@@ -61,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="wsd: warmup, constant, linear decay over the last --decay-steps "
                         "(extendable across sessions by a larger --steps)")
     p.add_argument("--decay-steps", type=int, default=0)
+    p.add_argument("--distill", type=float, default=0.5,
+                   help="weight of the target's top-k soft labels beside the hard label")
+    p.add_argument("--bucketed", action=argparse.BooleanOptionalAction, default=True,
+                   help="a step's sequences are length neighbours (little padding)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -83,9 +95,11 @@ def main(argv: list[str] | None = None) -> None:
         data.restore_generations(args.workdir, args.pack)
         prompts = data.training_prompts(args.num_sharegpt, args.num_code, args.seed)
         data.generate_continuations(args.workdir, target, prompts,
-                                    max_new_tokens=args.max_new_tokens, pack=args.pack)
+                                    max_new_tokens=args.max_new_tokens, pack=args.pack,
+                                    dtype=args.gen_dtype, sampled_every=args.sampled_every)
     if "features" in stages:
-        data.extract_features(args.workdir, target, args.target_layer_ids)
+        data.extract_features(args.workdir, target, args.target_layer_ids,
+                              dtype=args.gen_dtype, topk=args.topk)
     if "train" in stages or "export" in stages:
         from vllm_ddtree.drafter import train
 

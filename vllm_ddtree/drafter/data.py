@@ -6,11 +6,14 @@ Three resumable stages, each writing under one work directory:
 1. :func:`training_prompts`: user messages that are never benchmarked: ShareGPT's
    "train" split (:func:`vllm_ddtree.assets.load_raw_prompts`) and HumanEval-shaped
    requests built from CPython standard-library functions with docstrings.
-2. :func:`generate_continuations`: the target's own answers (vLLM, greedy for most,
-   T=1 for a seeded fraction), appended to ``generations.jsonl`` chunk by chunk.
+2. :func:`generate_continuations`: the target's own answers (vLLM; v3: greedy, in
+   the precision the benchmarks serve it, fp32), appended to ``generations.jsonl``
+   chunk by chunk.
 3. :func:`extract_features`: the target's hidden states at ``target_layer_ids``
    (the output of those 0-based decoder layers, as vLLM's aux hidden states), one
-   bf16 row per token in ``features.bin`` with ``tokens.bin`` beside it.
+   bf16 row per token in ``features.bin`` with ``tokens.bin`` beside it, and the
+   target's top-k next-token log-probabilities of every row (``topk_ids.bin``,
+   ``topk_logprobs.bin``: the soft labels of distillation).
 
 DFlash trains on target-generated text so the drafter imitates the target, not the
 dataset (arXiv 2602.06036, section 4).
@@ -34,6 +37,8 @@ from vllm_ddtree import assets
 GENERATIONS = "generations.jsonl"
 FEATURES = "features.bin"
 TOKENS = "tokens.bin"
+TOPK_IDS = "topk_ids.bin"
+TOPK_LOGPROBS = "topk_logprobs.bin"
 INDEX = "index.json"
 
 
@@ -149,15 +154,16 @@ def generate_continuations(
     *,
     max_new_tokens: int = 256,
     max_prompt_tokens: int = 384,
-    sampled_every: int = 4,
+    sampled_every: int = 0,
     chunk: int = 128,
-    dtype: str = "bfloat16",
+    dtype: str = "float32",
     pack: Path | None = None,
 ) -> Path:
     """Appends the target's continuation of every prompt to ``generations.jsonl``.
 
-    Greedy, except every ``sampled_every``-th prompt which is sampled at T=1
-    (the drafter then also sees the target's sampled style).
+    Greedy (the labels T = 0 acceptance is measured against), in ``dtype``; with
+    ``sampled_every`` N > 0 every N-th prompt is sampled at T=1 instead (v2 did,
+    in bf16: hard labels from a sample are noise for greedy acceptance).
     Resumes after the last complete line; with ``pack``, rewrites it after every
     chunk (:func:`save_generations_pack`).
     """
@@ -165,6 +171,8 @@ def generate_continuations(
     from vllm import LLM, SamplingParams
 
     def temperature(p: TrainingPrompt) -> float:
+        if sampled_every <= 0:
+            return 0.0
         return 1.0 if p.id % sampled_every == sampled_every - 1 else 0.0
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +214,7 @@ def generate_continuations(
                 else:
                     out = next(outputs).outputs[0]
                     row.update(prompt_ids=ids, output_ids=list(out.token_ids),
-                               temperature=temperature(p))
+                               temperature=temperature(p), dtype=dtype)
                 f.write(json.dumps(row) + "\n")
         if pack is not None:
             save_generations_pack(workdir, pack)
@@ -226,6 +234,8 @@ class FeatureIndex:
     lengths: list[int]  # prompt + continuation tokens
     prompt_lengths: list[int]
     ids: list[int]  # prompt ids
+    # Top-k next-token log-probabilities stored per token row (0: none, v2).
+    topk: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -248,12 +258,16 @@ def extract_features(
     *,
     tokens_per_batch: int = 4096,
     min_continuation: int = 8,
+    dtype: str = "float32",
+    topk: int = 20,
 ) -> FeatureIndex:
-    """Target hidden states of every generated sequence, bf16, appended and resumable.
+    """Target hidden states of every generated sequence, appended and resumable.
 
     Row t of a sequence holds concat_k h_{layer_k}(t) where h_l is the residual
     stream after 0-based decoder layer l (Hugging Face ``hidden_states[l + 1]``,
-    vLLM's aux hidden state ``l + 1``).
+    vLLM's aux hidden state ``l + 1``), computed in ``dtype`` and stored as bf16.
+    With ``topk`` > 0, also the target's ``topk`` largest log-probabilities of
+    the token after row t (ids int32, log-probs fp16; over the whole vocabulary).
     """
     import torch
     from tqdm import tqdm
@@ -262,16 +276,17 @@ def extract_features(
     rows = [r for r in _read_jsonl(workdir / GENERATIONS)
             if "output_ids" in r and len(r["output_ids"]) >= min_continuation]
     index_path = workdir / INDEX
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
     model.eval()
     hidden = model.config.hidden_size
     if index_path.is_file():
         index = FeatureIndex.load(index_path)
-        if index.target_layer_ids != list(target_layer_ids):
-            raise ValueError(f"{index_path} was made for layers {index.target_layer_ids}, "
-                             f"asked for {target_layer_ids}; use a new work directory")
+        if index.target_layer_ids != list(target_layer_ids) or index.topk != topk:
+            raise ValueError(f"{index_path} was made for layers {index.target_layer_ids} "
+                             f"and top-{index.topk}, asked for {target_layer_ids} and "
+                             f"top-{topk}; use a new work directory")
     else:
-        index = FeatureIndex(list(target_layer_ids), hidden, [], [], [], [])
+        index = FeatureIndex(list(target_layer_ids), hidden, [], [], [], [], topk=topk)
     width = hidden * len(target_layer_ids)
     done = set(index.ids)
     # Shortest first: neighbours have similar lengths, so the padded batches below
@@ -280,14 +295,17 @@ def extract_features(
                   key=lambda r: len(r["prompt_ids"]) + len(r["output_ids"]))
     # Truncate files to what the index covers (an interrupted append leaves a tail).
     n = index.num_tokens
-    for name, row_bytes in ((FEATURES, width * 2), (TOKENS, 4)):
+    for name, row_bytes in ((FEATURES, width * 2), (TOKENS, 4), (TOPK_IDS, 4 * topk),
+                            (TOPK_LOGPROBS, 2 * topk)):
         path = workdir / name
         with path.open("ab") as f:
             f.truncate(n * row_bytes)
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="features",
                unit="seq", mininterval=10)
     with torch.inference_mode(), (workdir / FEATURES).open("ab") as ffeat, \
-            (workdir / TOKENS).open("ab") as ftok:
+            (workdir / TOKENS).open("ab") as ftok, \
+            (workdir / TOPK_IDS).open("ab") as ftopk_ids, \
+            (workdir / TOPK_LOGPROBS).open("ab") as ftopk_logp:
         i = 0
         while i < len(todo):
             # Pack sequences of similar length into one padded forward.
@@ -307,16 +325,23 @@ def extract_features(
                 ids[b, :len(s)] = torch.tensor(s)
                 mask[b, :len(s)] = 1
             out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            feats = torch.cat([out.hidden_states[l + 1] for l in target_layer_ids], dim=-1)
+            feats = torch.cat([out.hidden_states[l + 1] for l in target_layer_ids],
+                              dim=-1).to(torch.bfloat16)
             for b, (r, s) in enumerate(zip(batch, seqs)):
                 ffeat.write(feats[b, :len(s)].contiguous().view(torch.int16).numpy().tobytes())
                 ftok.write(np.asarray(s, dtype=np.int32).tobytes())
+                if topk:
+                    # One sequence at a time: [len, V] fp32 logits stay ~100 MB.
+                    logits = model.lm_head(out.last_hidden_state[b, :len(s)]).float()
+                    top = logits.log_softmax(-1).topk(topk, dim=-1)
+                    ftopk_ids.write(top.indices.to(torch.int32).numpy().tobytes())
+                    ftopk_logp.write(top.values.to(torch.float16).numpy().tobytes())
                 index.offsets.append(index.num_tokens)
                 index.lengths.append(len(s))
                 index.prompt_lengths.append(len(r["prompt_ids"]))
                 index.ids.append(r["id"])
-            ffeat.flush()
-            ftok.flush()
+            for f in (ffeat, ftok, ftopk_ids, ftopk_logp):
+                f.flush()
             index.save(index_path)
             i += len(batch)
             bar.update(len(batch))
@@ -332,3 +357,12 @@ def open_features(workdir: Path) -> tuple[FeatureIndex, np.ndarray, np.ndarray]:
                       shape=(index.num_tokens, width))
     tokens = np.memmap(workdir / TOKENS, dtype=np.int32, mode="r", shape=(index.num_tokens,))
     return index, feats, tokens
+
+
+def open_topk(workdir: Path, index: FeatureIndex) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids int32, log-probs fp16), each [num_tokens, topk]; None without soft labels."""
+    if not index.topk:
+        return None
+    shape = (index.num_tokens, index.topk)
+    return (np.memmap(workdir / TOPK_IDS, dtype=np.int32, mode="r", shape=shape),
+            np.memmap(workdir / TOPK_LOGPROBS, dtype=np.float16, mode="r", shape=shape))

@@ -296,50 +296,66 @@ class DFlashDrafter(nn.Module):
         query_embeds: torch.Tensor,
         query_positions: torch.Tensor,
         context: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_mask: torch.Tensor,
+        context_lengths: torch.Tensor,
     ) -> torch.Tensor:
-        """Block queries through the layers.
+        """Blocks of queries through the layers, many blocks per context.
+
+        Block ``a`` of sequence ``s`` attends to the context rows
+        ``< context_lengths[s, a]`` (its anchor) and to its own ``block_size`` rows,
+        non-causally: what vLLM's DFlash drafter computes for one block. The blocks
+        never see each other, so the block part of attention is computed per block
+        (``A`` small ``bs x bs`` products instead of one ``A bs x A bs`` masked one)
+        and one softmax spans both parts.
 
         Args:
-            query_embeds: [S, Q, H] embeddings of the blocks (mask slots already
+            query_embeds: [S, A * bs, H] embeddings of the blocks (mask slots already
                 replaced by ``mask_embedding``).
-            query_positions: [S, Q] absolute positions.
+            query_positions: [S, A * bs] absolute positions.
             context: :meth:`context_kv` output (keys over T context rows).
-            attn_mask: [S, Q, T + Q] bool, True = may attend.
+            context_lengths: [S, A] context rows each block sees.
 
         Returns:
-            [S, Q, H] final-normed hidden states (LM head input).
+            [S, A * bs, H] final-normed hidden states (LM head input).
         """
         s = self.shape
-        cos, sin = rope_cos_sin(query_positions, s.head_dim, s.rope_theta)
+        bs, kvh, hd = s.block_size, s.num_kv_heads, s.head_dim
+        groups = s.num_heads // kvh
+        num_seqs, num_rows, _ = query_embeds.shape
+        num_blocks = num_rows // bs
+        cos, sin = rope_cos_sin(query_positions, hd, s.rope_theta)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        groups = s.num_heads // s.num_kv_heads
+        num_ctx = context[0][0].shape[2]
+        # [S, 1, 1, A * bs, T]: context row t is visible to a block iff t < its anchor.
+        visible = (torch.arange(num_ctx, device=query_embeds.device)
+                   < context_lengths.repeat_interleave(bs, dim=1).unsqueeze(-1))
+        visible = visible[:, None, None]
         h = query_embeds
-        mask = attn_mask.unsqueeze(1)
         for layer, (ck, cv) in zip(self.layers, context, strict=True):
             a = layer.self_attn
             x = rms_norm(h, layer.input_layernorm.weight, s.rms_norm_eps)
-            q = rms_norm(
-                a.q_proj(x).unflatten(-1, (s.num_heads, s.head_dim)),
-                a.q_norm.weight,
-                s.rms_norm_eps,
-            )
-            k = rms_norm(
-                a.k_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim)),
-                a.k_norm.weight,
-                s.rms_norm_eps,
-            )
-            v = a.v_proj(x).unflatten(-1, (s.num_kv_heads, s.head_dim))
-            q = apply_rope(q, cos, sin).transpose(1, 2)
-            k = apply_rope(k, cos, sin).transpose(1, 2)
-            keys = torch.cat([ck, k], dim=2).repeat_interleave(groups, dim=1)
-            values = torch.cat([cv, v.transpose(1, 2)], dim=2).repeat_interleave(
-                groups, dim=1
-            )
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(s.head_dim)
-            )
-            h = h + a.o_proj(o.transpose(1, 2).flatten(-2))
+            q = rms_norm(a.q_proj(x).unflatten(-1, (s.num_heads, hd)), a.q_norm.weight,
+                         s.rms_norm_eps)
+            k = rms_norm(a.k_proj(x).unflatten(-1, (kvh, hd)), a.k_norm.weight,
+                         s.rms_norm_eps)
+            v = a.v_proj(x).unflatten(-1, (kvh, hd))
+            q = apply_rope(q, cos, sin) * (1.0 / math.sqrt(hd))
+            k = apply_rope(k, cos, sin)
+            # [S, kvh, g, A * bs, hd]: query heads grouped under their KV head.
+            q = q.unflatten(2, (kvh, groups)).permute(0, 2, 3, 1, 4)
+            # [S, kvh, 1, A, bs, hd]: each block's own keys and values.
+            k = k.unflatten(1, (num_blocks, bs)).permute(0, 3, 1, 2, 4).unsqueeze(2)
+            v = v.unflatten(1, (num_blocks, bs)).permute(0, 3, 1, 2, 4).unsqueeze(2)
+            ctx_scores = (q @ ck.unsqueeze(2).transpose(-1, -2)).masked_fill(
+                ~visible, float("-inf"))  # [S, kvh, g, A * bs, T]
+            qb = q.unflatten(3, (num_blocks, bs))  # [S, kvh, g, A, bs, hd]
+            blk_scores = qb @ k.transpose(-1, -2)  # [S, kvh, g, A, bs, bs]
+            probs = torch.cat([ctx_scores.unflatten(3, (num_blocks, bs)), blk_scores],
+                              dim=-1).softmax(-1).to(q.dtype)
+            ctx_probs, blk_probs = probs.split([num_ctx, bs], dim=-1)
+            o = (ctx_probs.flatten(3, 4) @ cv.unsqueeze(2)).unflatten(3, (num_blocks, bs))
+            o = o + blk_probs @ v  # [S, kvh, g, A, bs, hd]
+            o = o.flatten(3, 4).permute(0, 3, 1, 2, 4).flatten(2)  # [S, A * bs, heads * hd]
+            h = h + a.o_proj(o)
             x = rms_norm(h, layer.post_attention_layernorm.weight, s.rms_norm_eps)
             h = h + layer.mlp.down_proj(
                 F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vllm_ddtree import assets
 from vllm_ddtree.drafter import data
@@ -54,9 +53,11 @@ class TrainConfig:
     weight_decay: float = 0.01
     min_lr_ratio: float = 0.1
     val_every_nth_seq: int = 50  # sequence i is held out when i % this == 0
-    # bf16 autocast of the forward (fp32 master weights, fp32 loss): 2-4x faster
-    # steps on this CPU (measured 2.1 s vs 4-10 s per 8 x 8-block step).
-    autocast: str = "bf16"
+    # Forward precision (fp32 master weights and loss either way): "bf16" autocast,
+    # "none" (fp32), or "auto": bf16 on CUDA and on CPUs with native bf16 dot
+    # products (AVX512-BF16, AMX), fp32 elsewhere, where oneDNN emulates bf16 GEMMs
+    # (a v3 step 3x slower in bf16 than in fp32 on an AVX-512 Xeon without them).
+    autocast: str = "auto"
     # 0: the target's LM head over its whole vocabulary (frozen, shared). N > 0: the
     # drafter's own LM head over the N most frequent continuation tokens of the
     # training sequences (started from the target's rows; trained).
@@ -67,10 +68,18 @@ class TrainConfig:
     # on resume) without its schedule changing behind it.
     lr_schedule: str = "cosine"
     decay_steps: int = 0
+    # Weight of the soft labels (the target's top-k distribution) beside the hard
+    # label; used when the features carry top-k log-probs (data.extract_features).
+    distill: float = 0.5
+    # Length-bucketed steps: the sequences of a step are neighbours in the
+    # length-ordered index (a random window), so the context pads almost nothing.
+    bucketed: bool = True
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in ("cosine", "wsd"):
             raise ValueError(f"lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill must be in [0, 1], got {self.distill}")
         if self.lr_schedule == "wsd" and not 0 < self.decay_steps <= self.steps:
             raise ValueError(f"wsd needs 0 < decay_steps <= steps, got decay_steps "
                              f"{self.decay_steps}, steps {self.steps}")
@@ -84,7 +93,7 @@ class TrainConfig:
             loss_decay=args.loss_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
             seed=args.seed, val_every_nth_seq=args.val_every_nth_seq, autocast=args.autocast,
             draft_vocab_size=args.draft_vocab_size, lr_schedule=args.lr_schedule,
-            decay_steps=args.decay_steps)
+            decay_steps=args.decay_steps, distill=args.distill, bucketed=args.bucketed)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -117,9 +126,14 @@ class TargetHead:
 def make_batch(
     index: data.FeatureIndex, feats: np.memmap, tokens: np.memmap, seq_ids: list[int],
     anchors_per_seq: int, block_size: int, rng: np.random.Generator | None,
-    device: torch.device,
+    device: torch.device, topk: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Padded tensors for one step. ``rng`` None: anchors every block_size tokens (eval)."""
+    """Padded tensors for one step. ``rng`` None: anchors every block_size tokens (eval).
+
+    Mask slot j of the block at anchor p is labelled with token p + j and, with
+    ``topk`` (:func:`data.open_topk`), with the target's top-k distribution of that
+    token (stored on row p + j - 1) as ``soft_ids`` / ``soft_logprobs``.
+    """
     picked = []
     for i in seq_ids:
         off, n, plen = index.offsets[i], index.lengths[i], index.prompt_lengths[i]
@@ -134,63 +148,103 @@ def make_batch(
                                          replace=False))
         picked.append((off, n, anchors))
     num_seqs = len(picked)
-    max_len = max(n for _, n, _ in picked)
+    # Context rows from the last anchor on are never visible: not loaded.
+    max_len = max(int(a[-1]) for _, _, a in picked)
     num_anchors = max(len(a) for _, _, a in picked)
     width = feats.shape[1]
     bs = block_size
-    q = num_anchors * bs
     feat = torch.zeros(num_seqs, max_len, width, dtype=torch.bfloat16)
     bonus = torch.zeros(num_seqs, num_anchors, dtype=torch.long)
     labels = torch.full((num_seqs, num_anchors, bs - 1), -100, dtype=torch.long)
-    qpos = torch.zeros(num_seqs, num_anchors, bs, dtype=torch.long)
-    mask = torch.zeros(num_seqs, q, max_len + q, dtype=torch.bool)
+    # Padding blocks: anchor 0 (no context rows), no labels.
+    anchor_pos = torch.zeros(num_seqs, num_anchors, dtype=torch.long)
+    k = topk[0].shape[1] if topk is not None else 0
+    soft_ids = torch.zeros(num_seqs, num_anchors, bs - 1, k, dtype=torch.long)
+    soft_logp = torch.zeros(num_seqs, num_anchors, bs - 1, k)
+    steps = np.arange(1, bs)
     for s, (off, n, anchors) in enumerate(picked):
-        feat[s, :n] = torch.from_numpy(np.asarray(feats[off:off + n])).view(torch.bfloat16)
-        toks = torch.from_numpy(np.asarray(tokens[off:off + n]).astype(np.int64))
-        for a, p in enumerate(anchors.tolist()):
-            bonus[s, a] = toks[p]
-            span = toks[p + 1:p + bs]
-            labels[s, a, :len(span)] = span
-            qpos[s, a] = torch.arange(p, p + bs)
-            rows = slice(a * bs, (a + 1) * bs)
-            mask[s, rows, :p] = True
-            mask[s, rows, max_len + a * bs:max_len + (a + 1) * bs] = True
-        for a in range(len(anchors), num_anchors):  # padding blocks see themselves only
-            rows = slice(a * bs, (a + 1) * bs)
-            mask[s, rows, max_len + a * bs:max_len + (a + 1) * bs] = True
-    return {
+        used = int(anchors[-1])
+        feat[s, :used] = torch.from_numpy(np.asarray(feats[off:off + used])).view(torch.bfloat16)
+        toks = np.asarray(tokens[off:off + n]).astype(np.int64)
+        na = len(anchors)
+        anchor_pos[s, :na] = torch.from_numpy(anchors)
+        bonus[s, :na] = torch.from_numpy(toks[anchors])
+        rows = anchors[:, None] + steps[None, :]  # [na, bs-1]: the labels' rows
+        inside = rows < n
+        rows = np.minimum(rows, n - 1)
+        labels[s, :na] = torch.from_numpy(np.where(inside, toks[rows], -100))
+        if k:
+            src = (off + rows - 1).ravel()  # the row whose next token each label is
+            soft_ids[s, :na] = torch.from_numpy(
+                np.asarray(topk[0][src]).astype(np.int64)).view(na, bs - 1, k)
+            soft_logp[s, :na] = torch.from_numpy(
+                np.asarray(topk[1][src]).astype(np.float32)).view(na, bs - 1, k)
+    qpos = anchor_pos[:, :, None] + torch.arange(bs)  # [S, A, bs]
+    batch = {
         "features": feat.to(device),
         "context_positions": torch.arange(max_len).expand(num_seqs, max_len).to(device),
         "bonus": bonus.to(device),
         "labels": labels.to(device),
-        "query_positions": qpos.reshape(num_seqs, q).to(device),
-        "mask": mask.to(device),
+        "anchors": anchor_pos.to(device),
+        "query_positions": qpos.reshape(num_seqs, num_anchors * bs).to(device),
     }
+    if k:
+        batch["soft_ids"] = soft_ids.to(device)
+        batch["soft_logprobs"] = soft_logp.to(device)
+    return batch
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 GEMMs run natively: CUDA, or a CPU with AVX512-BF16 or AMX."""
+    if device.type != "cpu":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _autocast(config_autocast: str, device: torch.device):
+    if config_autocast == "auto":
+        config_autocast = "bf16" if native_bf16(device) else "none"
     if config_autocast == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     if config_autocast in ("none", "fp32"):
         return contextlib.nullcontext()
-    raise ValueError(f"autocast must be 'bf16' or 'none', got {config_autocast!r}")
+    raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {config_autocast!r}")
+
+
+def drafter_hidden(model: DFlashDrafter, embed: torch.Tensor, batch: dict) -> torch.Tensor:
+    """[S, A, bs-1, H] final hidden states of the mask slots (``embed``: the
+    target's [V, H] token embeddings)."""
+    s, a = batch["bonus"].shape
+    bs = model.shape.block_size
+    # Under autocast the bf16 features go to fc as they are (no float copy of the
+    # [S, T, 4 H] context); without it, fc needs fp32 inputs.
+    features = batch["features"]
+    if not torch.is_autocast_enabled(features.device.type):
+        features = features.float()
+    ctx = model.context_kv(features, batch["context_positions"])
+    bonus_embeds = embed[batch["bonus"]]  # [S, A, H]
+    block = torch.cat([bonus_embeds.unsqueeze(2),
+                       model.mask_embedding.expand(s, a, bs - 1, -1)], dim=2)
+    hidden = model(block.reshape(s, a * bs, -1), batch["query_positions"], ctx,
+                   batch["anchors"])
+    return hidden.reshape(s, a, bs, -1)[:, :, 1:]
+
+
+def head_logits(model: DFlashDrafter, lm_head: torch.Tensor,
+                hidden: torch.Tensor) -> torch.Tensor:
+    """[..., V'] logits (``lm_head``: the target's [V, H]; V' = V, or the draft
+    vocabulary when the drafter has its own head)."""
+    return model.lm_head(hidden) if model.has_own_lm_head else hidden @ lm_head.T
 
 
 def drafter_logits(model: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                    batch: dict) -> torch.Tensor:
-    """[S, A, bs-1, V'] logits of the mask slots (``embed``, ``lm_head``: the target's
-    [V, H]; V' = V, or the draft vocabulary when the drafter has its own head)."""
-    s, a = batch["bonus"].shape
-    bs = model.shape.block_size
-    ctx = model.context_kv(batch["features"].float(), batch["context_positions"])
-    bonus_embeds = embed[batch["bonus"]]  # [S, A, H]
-    block = torch.cat([bonus_embeds.unsqueeze(2),
-                       model.mask_embedding.expand(s, a, bs - 1, -1)], dim=2)
-    hidden = model(block.reshape(s, a * bs, -1), batch["query_positions"], ctx, batch["mask"])
-    hidden = hidden.reshape(s, a, bs, -1)[:, :, 1:]
-    if model.has_own_lm_head:
-        return model.lm_head(hidden)
-    return hidden @ lm_head.T
+    """[S, A, bs-1, V'] logits of every mask slot."""
+    return head_logits(model, lm_head, drafter_hidden(model, embed, batch))
 
 
 def position_weights(block_size: int, decay: float, device) -> torch.Tensor:
@@ -198,11 +252,33 @@ def position_weights(block_size: int, decay: float, device) -> torch.Tensor:
     return torch.exp(-(j - 1) / decay)
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none",
-                         ignore_index=-100).view(labels.shape)
-    w = weights * (labels >= 0)
-    return (ce * w).sum() / w.sum().clamp(min=1e-6)
+def loss_fn(model: DFlashDrafter, lm_head: torch.Tensor, hidden: torch.Tensor,
+            batch: dict, weights: torch.Tensor, distill: float) -> torch.Tensor:
+    """Position-weighted loss over the labelled mask slots only.
+
+    ``(1 - distill)`` x cross-entropy on the hard label (the target's greedy token)
+    + ``distill`` x cross-entropy against the target's top-k distribution,
+    renormalised over the top-k tokens the LM head can emit (forward KL up to a
+    constant). The LM head runs on labelled slots only: padding blocks and slots
+    past a sequence's end cost nothing.
+
+    Args:
+        hidden: [S, A, bs-1, H] from :func:`drafter_hidden`.
+        weights: [bs-1] per block position (:func:`position_weights`).
+    """
+    labels = model.to_output_labels(batch["labels"])  # [S, A, bs-1]
+    rows = labels >= 0
+    w = weights.expand_as(labels)[rows]  # [N]
+    logp = head_logits(model, lm_head, hidden[rows]).float().log_softmax(-1)  # [N, V']
+    loss = -logp.gather(1, labels[rows].unsqueeze(1)).squeeze(1)
+    if distill > 0 and "soft_ids" in batch:
+        ids = model.to_output_labels(batch["soft_ids"][rows])  # [N, k]; -100: no draft id
+        emittable = ids >= 0
+        p = batch["soft_logprobs"][rows].masked_fill(~emittable, float("-inf")).softmax(-1)
+        p = p.masked_fill(~emittable, 0.0)  # a slot with no emittable top-k token: 0
+        soft = -(p * logp.gather(1, ids.clamp(min=0))).sum(-1)
+        loss = (1 - distill) * loss + distill * soft
+    return (loss * w).sum() / w.sum().clamp(min=1e-6)
 
 
 @torch.no_grad()
@@ -232,6 +308,17 @@ def evaluate(model, embed, lm_head, index, feats, tokens, val_ids, block_size, d
     return {"val_acc": [round(x, 4) for x in acc],
             "val_tau_chain": round(float(np.mean(accepted)), 4) if accepted else None,
             "val_blocks": len(accepted)}
+
+
+def pick_sequences(train_ids: list[int], count: int, bucketed: bool,
+                   rng: np.random.Generator) -> list[int]:
+    """One step's sequences: ``count`` at random, or (``bucketed``) a random window
+    of ``count`` neighbours in the length-ordered index (similar lengths, so the
+    padded context is almost all real rows)."""
+    if not bucketed:
+        return rng.choice(train_ids, size=count, replace=False).tolist()
+    start = int(rng.integers(0, max(1, len(train_ids) - count + 1)))
+    return train_ids[start:start + count]
 
 
 def _checkpoints(workdir: Path) -> list[Path]:
@@ -271,6 +358,7 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     index, feats, tokens = data.open_features(workdir)
+    topk = data.open_topk(workdir, index)
     if index.target_layer_ids != config.target_layer_ids:
         raise ValueError(f"features have layers {index.target_layer_ids}, config "
                          f"{config.target_layer_ids}")
@@ -313,14 +401,14 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
     bar = tqdm(total=config.steps, initial=step, desc="train", unit="step", mininterval=30)
     while step < config.steps:
         t0 = time.perf_counter()
-        seq_ids = rng.choice(train_ids, size=config.seqs_per_step, replace=False).tolist()
+        seq_ids = pick_sequences(train_ids, config.seqs_per_step, config.bucketed, rng)
         batch = make_batch(index, feats, tokens, seq_ids, config.anchors_per_seq,
-                           config.block_size, rng, device)
+                           config.block_size, rng, device, topk)
         for g in opt.param_groups:
             g["lr"] = config.lr_at(step)
         with _autocast(config.autocast, device):
-            logits = drafter_logits(model, head.embed, head.lm_head, batch)
-        loss = loss_fn(logits, model.to_output_labels(batch["labels"]), weights)
+            hidden = drafter_hidden(model, head.embed, batch)
+            loss = loss_fn(model, head.lm_head, hidden, batch, weights, config.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(opt_params, 1.0)
