@@ -22,6 +22,7 @@ vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 6
+NODES = 64  # tree nodes per step in the served-drafter test
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 128, 64, 33]
 
 
@@ -71,10 +72,11 @@ def draft_logits_in_torch(model, target_dir, prompt, bonus):
 @pytest.mark.parametrize("arch,draft_vocab", [("llama", None), ("qwen3", None), ("qwen3", 64)])
 def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypatch, arch,
                                                draft_vocab):
-    """Draft logits served by ddtree == the torch drafter's. With a reduced draft
-    vocabulary they are the Vd draft logits, and the served tree is the one built
-    from the target-vocabulary logits vLLM's compute_logits gives (-inf outside
-    the draft tokens), in target ids."""
+    """Draft logits served by ddtree == the torch drafter's, after the prefill and at
+    every later drafting step (the context then holds tokens committed from verified
+    trees). With a reduced draft vocabulary they are the Vd draft logits, and the
+    served tree is the one built from the target-vocabulary logits vLLM's
+    compute_logits gives (-inf outside the draft tokens), in target ids."""
     from vllm_ddtree.tree import build_ddtree
     from vllm_ddtree.vllm_adapter.proposer import DDTreeProposer
 
@@ -99,19 +101,33 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
         trees.append(self.last_tree)
         return out
 
+    # Tokens each verify step committed (accepted nodes + the bonus), lookup
+    # nodes included: the drafter's next context grows by exactly these.
+    committed = []
+    from vllm_ddtree.vllm_adapter import runner as runner_module
+
+    def record_commit(*args, **kwargs):
+        plan = plan_commit(*args, **kwargs)
+        committed.append(int(plan.num_committed[0]))
+        return plan
+
+    plan_commit = runner_module.plan_commit
     monkeypatch.setattr(DDTreeProposer, "_sample_draft_tokens", record)
     monkeypatch.setattr(DDTreeProposer, "propose", record_tree)
+    monkeypatch.setattr(runner_module, "plan_commit", record_commit)
     llm = vllm.LLM(model=target_dir, dtype="float32", enforce_eager=True, max_model_len=256,
                    speculative_config={"method": "ddtree", "model": str(tmp_path / "drafter"),
-                                       "num_speculative_tokens": 8,
+                                       # a wide tree: some steps accept nodes
+                                       "num_speculative_tokens": NODES,
                                        "ddtree_budget": "fixed",
                                        # the checkpoint's own arithmetic
                                        "ddtree_drafter_quantization": "none"})
     out = llm.generate([{"prompt_token_ids": PROMPT}],
-                       vllm.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                       vllm.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                        use_tqdm=False)
     del llm
-    bonus = out[0].outputs[0].token_ids[0]
+    generated = list(out[0].outputs[0].token_ids)
+    bonus = generated[0]
     served = captured[0].view(BLOCK_SIZE - 1, -1)  # first proposal: after the prefill
 
     # The same draft in torch: HF hidden states of the prompt as the context.
@@ -119,7 +135,7 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
     if draft_vocab:
         full = served.new_full((served.shape[0], model.shape.vocab_size), float("-inf"))
         full[:, model.draft_token_ids] = served
-        want = build_ddtree(full.unsqueeze(0), 8, root_token_ids=torch.tensor([bonus]),
+        want = build_ddtree(full.unsqueeze(0), NODES, root_token_ids=torch.tensor([bonus]),
                             validate=False)  # -inf outside the draft tokens
         tree = trees[0]
         assert tree.tokens.tolist() == want.tokens.tolist()
@@ -129,6 +145,22 @@ def test_vllm_serves_the_trained_model_exactly(tmp_path, vllm_patched, monkeypat
     err = (served - ours).abs().max().item()
     assert err < 2e-3 * ours.abs().max().item(), err
     assert (shifted - ours).abs().max().item() > 50 * err
+
+    # Later steps: step k drafts from the prompt + the tokens committed so far, its
+    # bonus the last of them (lookup nodes are verified too: prompts repeat here).
+    bonus_at, checked = 0, 0
+    for logits, num_committed in zip(captured[1:], committed, strict=False):
+        bonus_at += num_committed
+        if bonus_at >= len(generated):
+            break
+        later, _ = draft_logits_in_torch(model, target_dir, PROMPT + generated[:bonus_at],
+                                         generated[bonus_at])
+        later_served = logits.view(BLOCK_SIZE - 1, -1)
+        assert (later_served - later).abs().max().item() < 2e-3 * later.abs().max().item()
+        checked += 1
+    # Where the output repeats (the llama case here), lookup nodes are accepted and
+    # the steps after them check the accepted path's hidden states as context.
+    assert checked >= 3
 
 
 def test_dflash_chain_serves_a_reduced_vocabulary(tmp_path, vllm_patched, monkeypatch):

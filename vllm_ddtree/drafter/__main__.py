@@ -6,7 +6,8 @@
 Stages (each resumable; ``all`` runs the missing ones in order):
 ``generate`` (target continuations), ``features`` (target hidden states),
 ``train`` (DFlash objective, checkpoints every ``--ckpt-every`` steps),
-``export`` (vLLM checkpoint directory, default ``vllm_ddtree/drafter/smollm2_135m``).
+``export`` (vLLM checkpoint directory, default ``vllm_ddtree/drafter/smollm2_135m``);
+``data`` runs the first two.
 Runs on CUDA when available, else CPU. Safe to kill at any point.
 """
 
@@ -31,7 +32,8 @@ DEFAULT_PACK = (Path(__file__).resolve().parent / "generations"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vllm_ddtree.drafter", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["generate", "features", "train", "export", "all"])
+    p.add_argument("stage", choices=["generate", "features", "data", "train", "export", "all"],
+                   help="data: generate + features")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--export-dir", type=Path, default=DEFAULT_EXPORT)
     p.add_argument("--pack", type=Path, default=DEFAULT_PACK,
@@ -50,9 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, default=16)  # <empty_output>
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--seqs-per-step", type=int, default=8)
-    p.add_argument("--anchors-per-seq", type=int, default=8)
+    p.add_argument("--anchors-per-seq", type=int, default=32)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--loss-decay", type=float, default=7.0,
                    help="position j of the block has loss weight exp(-(j-1)/decay)")
@@ -62,13 +64,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="sequence i is held out for evaluation when i %% N == 0")
     p.add_argument("--autocast", choices=["auto", "bf16", "none"], default="auto",
                    help="forward precision (fp32 master weights either way)")
-    p.add_argument("--draft-vocab-size", type=int, default=0,
+    p.add_argument("--draft-vocab-size", type=int, default=16384,
                    help="0: the target's LM head over its whole vocabulary; N: the "
                         "drafter's own head over the N most frequent continuation tokens")
-    p.add_argument("--lr-schedule", choices=["cosine", "wsd"], default="cosine",
+    p.add_argument("--lr-schedule", choices=["cosine", "wsd"], default="wsd",
                    help="wsd: warmup, constant, linear decay over the last --decay-steps "
                         "(extendable across sessions by a larger --steps)")
-    p.add_argument("--decay-steps", type=int, default=0)
+    p.add_argument("--decay-steps", type=int, default=1000)
     p.add_argument("--distill", type=float, default=0.5,
                    help="weight of the target's top-k soft labels beside the hard label")
     p.add_argument("--bucketed", action=argparse.BooleanOptionalAction, default=True,
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     target = assets.smollm2_target()
-    stages = ["generate", "features", "train", "export"] if args.stage == "all" else [args.stage]
+    stages = {"all": ["generate", "features", "train", "export"],
+              "data": ["generate", "features"]}.get(args.stage, [args.stage])
     if "generate" in stages:
         data.restore_generations(args.workdir, args.pack)
         prompts = data.training_prompts(args.num_sharegpt, args.num_code, args.seed)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The drafter training campaign in the background, across sessions (issue 47).
+#
+#   bash scripts/drafter_campaign.sh start STAGE [args]  # python -m vllm_ddtree.drafter STAGE
+#                                                        # (data, train, all, ...)
+#   bash scripts/drafter_campaign.sh sweep LR [LR ...]    # short runs on the same features
+#                                   # (SWEEP_STEPS, default 300), sweep/lr-LR/train_log.jsonl
+#   bash scripts/drafter_campaign.sh pause     # SIGSTOP: before the suite or any timing
+#   bash scripts/drafter_campaign.sh resume    # SIGCONT
+#   bash scripts/drafter_campaign.sh status    # stage, progress, last held-out numbers
+#   bash scripts/drafter_campaign.sh stop      # SIGTERM; 'start' again resumes from disk
+#
+# Every stage resumes from what is on disk (generations, features, the newest
+# checkpoint with its optimizer and data-order state), so stop/start loses at most
+# one checkpoint interval. Runs at nice 19 with a bounded vLLM KV cache
+# (VLLM_CPU_KVCACHE_SPACE, GiB: vLLM's CPU default takes most of the memory).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORKDIR="${DRAFTER_WORKDIR:-$HOME/.cache/vllm-ddtree/drafter-work-v3}"
+PIDFILE="$WORKDIR/campaign.pid"
+LOG="$WORKDIR/campaign.log"
+mkdir -p "$WORKDIR"
+
+pid() { [[ -f "$PIDFILE" ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null && cat "$PIDFILE"; }
+
+case "${1:-status}" in
+  start)
+    stage="${2:?start needs a stage: data, train, all, ...}"
+    shift 2
+    if p=$(pid); then echo "already running (pid $p)"; exit 0; fi
+    # setsid: its own process group, so pause/resume/stop reach every child.
+    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-3}" setsid nohup nice -n 19 \
+      .venv/bin/python -m vllm_ddtree.drafter "$stage" --workdir "$WORKDIR" "$@" \
+      >>"$LOG" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+    echo "started (pid $!), log $LOG"
+    ;;
+  sweep)
+    shift
+    [[ $# -ge 1 ]] || { echo "sweep needs learning rates" >&2; exit 2; }
+    if p=$(pid); then echo "already running (pid $p)"; exit 0; fi
+    [[ -f "$WORKDIR/index.json" ]] || { echo "no features yet: start data first" >&2; exit 2; }
+    steps="${SWEEP_STEPS:-300}"
+    runs=""
+    for lr in "$@"; do
+      d="$WORKDIR/sweep/lr-$lr"
+      mkdir -p "$d"
+      for f in features.bin tokens.bin topk_ids.bin topk_logprobs.bin index.json \
+               generations.jsonl; do ln -sf "$WORKDIR/$f" "$d/$f"; done
+      runs+=".venv/bin/python -m vllm_ddtree.drafter train --workdir '$d' --lr $lr \
+--steps $steps --decay-steps $((steps / 3)) --eval-every 50 --ckpt-every 50; "
+    done
+    setsid nohup nice -n 19 bash -c "$runs" >>"$WORKDIR/sweep.log" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+    echo "sweep started (pid $!): $*; log $WORKDIR/sweep.log"
+    ;;
+  pause|resume|stop)
+    p=$(pid) || { echo "not running"; exit 0; }
+    sig=$([[ $1 == pause ]] && echo STOP || ([[ $1 == resume ]] && echo CONT || echo TERM))
+    [[ $1 == stop ]] && kill -CONT -- "-$p" 2>/dev/null || true
+    kill -"$sig" -- "-$p"
+    echo "$1: sent SIG$sig to process group $p"
+    ;;
+  status)
+    if p=$(pid); then
+      echo "running (pid $p, state $(ps -o stat= -p "$p" | tr -d ' '))"
+    else
+      echo "not running"
+    fi
+    [[ -f "$WORKDIR/generations.jsonl" ]] && \
+      echo "generations: $(wc -l <"$WORKDIR/generations.jsonl") prompts done"
+    [[ -f "$WORKDIR/index.json" ]] && .venv/bin/python -c "
+import json, sys; i = json.load(open(sys.argv[1]))
+print(f'features: {len(i[\"ids\"])} sequences, {i[\"offsets\"][-1] + i[\"lengths\"][-1] if i[\"ids\"] else 0:,} tokens')
+" "$WORKDIR/index.json"
+    if [[ -f "$WORKDIR/train_log.jsonl" ]]; then
+      tail -n 1 "$WORKDIR/train_log.jsonl" | cut -c1-200
+      grep val_tau "$WORKDIR/train_log.jsonl" | tail -n 1 | cut -c1-300
+    fi
+    ;;
+  *) echo "usage: $0 start|pause|resume|status|stop" >&2; exit 2 ;;
+esac
