@@ -406,8 +406,15 @@ class DFlashDrafter(nn.Module):
             (out_dir / name).write_text(text)
 
     @classmethod
-    def load(cls, ckpt_dir: Path) -> DFlashDrafter:
-        """Inverse of :meth:`export` (fp32 parameters)."""
+    def load(
+        cls, ckpt_dir: Path, target_embeddings: torch.Tensor | None = None
+    ) -> DFlashDrafter:
+        """Inverse of :meth:`export` (fp32 parameters).
+
+        A checkpoint without ``mask_embedding.pt`` uses the target's embedding of
+        ``mask_token_id`` for the mask slots, as vLLM does: ``target_embeddings``
+        ([V, H]) must then be given.
+        """
         from safetensors.torch import load_file
 
         cfg = json.loads((Path(ckpt_dir) / "config.json").read_text())
@@ -436,7 +443,16 @@ class DFlashDrafter(nn.Module):
         state = {
             k: v if k == "draft_token_ids" else v.float() for k, v in state.items()
         }
-        mask = torch.load(Path(ckpt_dir) / "mask_embedding.pt", weights_only=True)
-        state["mask_embedding"] = mask["embedding"].float()
+        mask_path = Path(ckpt_dir) / "mask_embedding.pt"
+        if mask_path.is_file():
+            mask = torch.load(mask_path, weights_only=True)["embedding"]
+        elif target_embeddings is not None:
+            mask = target_embeddings[shape.mask_token_id]
+        else:
+            raise FileNotFoundError(
+                f"{mask_path} is missing: pass the target's embeddings for the mask "
+                "slots"
+            )
+        state["mask_embedding"] = mask.detach().float().clone()
         model.load_state_dict(state)
         return model
