@@ -352,9 +352,11 @@ class DFlashDrafter(nn.Module):
             probs = torch.cat([ctx_scores.unflatten(3, (num_blocks, bs)), blk_scores],
                               dim=-1).softmax(-1).to(q.dtype)
             ctx_probs, blk_probs = probs.split([num_ctx, bs], dim=-1)
-            o = (ctx_probs.flatten(3, 4) @ cv.unsqueeze(2)).unflatten(3, (num_blocks, bs))
-            o = o + blk_probs @ v  # [S, kvh, g, A, bs, hd]
-            o = o.flatten(3, 4).permute(0, 3, 1, 2, 4).flatten(2)  # [S, A * bs, heads * hd]
+            o = ctx_probs.flatten(3, 4) @ cv.unsqueeze(2)  # [S, kvh, g, A * bs, hd]
+            # [S, kvh, g, A, bs, hd]
+            o = o.unflatten(3, (num_blocks, bs)) + blk_probs @ v
+            # [S, A * bs, heads * hd]
+            o = o.flatten(3, 4).permute(0, 3, 1, 2, 4).flatten(2)
             h = h + a.o_proj(o)
             x = rms_norm(h, layer.post_attention_layernorm.weight, s.rms_norm_eps)
             h = h + layer.mlp.down_proj(
