@@ -78,6 +78,10 @@ print(f'features: {len(i[\"ids\"])} sequences, {i[\"offsets\"][-1] + i[\"lengths
       tail -n 1 "$WORKDIR/train_log.jsonl" | cut -c1-200
       grep val_tau "$WORKDIR/train_log.jsonl" | tail -n 1 | cut -c1-300
     fi
+    for log in "$WORKDIR"/sweep/*/train_log.jsonl; do
+      [[ -f "$log" ]] || continue
+      echo "sweep $(basename "$(dirname "$log")"): $(grep val_tau "$log" | tail -n 1 | cut -c1-200)"
+    done
     ;;
   *) echo "usage: $0 start|pause|resume|status|stop" >&2; exit 2 ;;
 esac
