@@ -6,6 +6,10 @@
 #                                                        # (data, train, all, ...)
 #   bash scripts/drafter_campaign.sh sweep LR [LR ...]    # short runs on the same features
 #                                   # (SWEEP_STEPS, default 300), sweep/lr-LR/train_log.jsonl
+#   bash scripts/drafter_campaign.sh pipeline LR [LR ...]  # all of it, unattended:
+#                                   # data, the sweep, train at the sweep's best LR
+#                                   # (highest final val_tau_chain), export to
+#                                   # WORKDIR/export; every part resumes from disk
 #   bash scripts/drafter_campaign.sh pause     # SIGSTOP: before the suite or any timing
 #   bash scripts/drafter_campaign.sh resume    # SIGCONT
 #   bash scripts/drafter_campaign.sh status    # stage, progress, last held-out numbers
@@ -36,24 +40,36 @@ case "${1:-status}" in
     echo $! >"$PIDFILE"
     echo "started (pid $!), log $LOG"
     ;;
-  sweep)
+  sweep|pipeline)
+    cmd=$1
     shift
-    [[ $# -ge 1 ]] || { echo "sweep needs learning rates" >&2; exit 2; }
+    [[ $# -ge 1 ]] || { echo "$cmd needs learning rates" >&2; exit 2; }
     if p=$(pid); then echo "already running (pid $p)"; exit 0; fi
-    [[ -f "$WORKDIR/index.json" ]] || { echo "no features yet: start data first" >&2; exit 2; }
+    [[ $cmd == pipeline || -f "$WORKDIR/index.json" ]] || {
+      echo "no features yet: start data first" >&2; exit 2; }
     steps="${SWEEP_STEPS:-300}"
-    runs=""
+    py=".venv/bin/python -m vllm_ddtree.drafter"
+    runs="set -e; "
+    [[ $cmd == pipeline ]] && runs+="$py data --workdir '$WORKDIR'; "
     for lr in "$@"; do
       d="$WORKDIR/sweep/lr-$lr"
       mkdir -p "$d"
-      for f in features.bin tokens.bin topk_ids.bin topk_logprobs.bin index.json \
-               generations.jsonl; do ln -sf "$WORKDIR/$f" "$d/$f"; done
-      runs+=".venv/bin/python -m vllm_ddtree.drafter train --workdir '$d' --lr $lr \
---steps $steps --decay-steps $((steps / 3)) --eval-every 50 --ckpt-every 50; "
+      runs+="for f in features.bin tokens.bin topk_ids.bin topk_logprobs.bin index.json \
+generations.jsonl; do ln -sf '$WORKDIR'/\$f '$d'/\$f; done; "
+      runs+="$py train --workdir '$d' --lr $lr --steps $steps --decay-steps $((steps / 3)) \
+--eval-every 50 --ckpt-every 50; "
     done
-    setsid nohup nice -n 19 bash -c "$runs" >>"$WORKDIR/sweep.log" 2>&1 </dev/null &
+    if [[ $cmd == pipeline ]]; then
+      # The sweep's best: the highest held-out chain tau at its last evaluation.
+      runs+="lr=\$(.venv/bin/python scripts/drafter_sweep_best.py '$WORKDIR/sweep'); "
+      runs+="echo \$lr >'$WORKDIR/sweep/chosen_lr'; "
+      runs+="$py train --workdir '$WORKDIR' --lr \$lr; "
+      runs+="$py export --workdir '$WORKDIR' --lr \$lr --export-dir '$WORKDIR/export'; "
+    fi
+    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-3}" setsid nohup nice -n 19 \
+      bash -c "$runs" >>"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"
-    echo "sweep started (pid $!): $*; log $WORKDIR/sweep.log"
+    echo "$cmd started (pid $!): $*; log $LOG"
     ;;
   pause|resume|stop)
     p=$(pid) || { echo "not running"; exit 0; }
@@ -78,10 +94,11 @@ print(f'features: {len(i[\"ids\"])} sequences, {i[\"offsets\"][-1] + i[\"lengths
       tail -n 1 "$WORKDIR/train_log.jsonl" | cut -c1-200
       grep val_tau "$WORKDIR/train_log.jsonl" | tail -n 1 | cut -c1-300
     fi
+    [[ -f "$WORKDIR/sweep/chosen_lr" ]] && echo "sweep chose lr $(cat "$WORKDIR/sweep/chosen_lr")"
     for log in "$WORKDIR"/sweep/*/train_log.jsonl; do
       [[ -f "$log" ]] || continue
       echo "sweep $(basename "$(dirname "$log")"): $(grep val_tau "$log" | tail -n 1 | cut -c1-200)"
     done
     ;;
-  *) echo "usage: $0 start|pause|resume|status|stop" >&2; exit 2 ;;
+  *) echo "usage: $0 start|sweep|pipeline|pause|resume|status|stop" >&2; exit 2 ;;
 esac
