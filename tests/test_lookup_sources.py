@@ -85,3 +85,21 @@ def test_suffix_memory_keeps_at_most_max_cached_requests():
 def test_bad_settings_are_refused_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         lookup.LookupSettings(**kwargs)
+
+
+def test_suffix_drafts_siblings_are_normalised_where_they_pass_one():
+    """arctic-inference's frequencies can round past 1 among siblings: those
+    siblings are scaled to sum to 1, the others keep their scores, and scores
+    are clipped into (0, 1]."""
+    draft = SimpleNamespace(
+        token_ids=[5, 6, 7, 8, 9],
+        parents=[-1, -1, 0, 0, 2],
+        probs=[0.7, 0.6, 0.3, 0.2, 0.0],
+    )
+    out = lookup._from_suffix_draft(draft)
+    assert out.tokens == [5, 6, 7, 8, 9] and out.parents == [-1, -1, 0, 0, 2]
+    assert out.probs[0] == pytest.approx(0.7 / 1.3)
+    assert out.probs[1] == pytest.approx(0.6 / 1.3)
+    assert out.probs[2:4] == pytest.approx([0.3, 0.2])  # siblings summing to 0.5
+    assert 0 < out.probs[4] <= 1e-8
+    assert lookup._from_suffix_draft(SimpleNamespace(token_ids=[], parents=[], probs=[])) is None

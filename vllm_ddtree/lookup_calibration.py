@@ -71,8 +71,14 @@ class LookupCalibration:
     def observe(self, depths, raw, agreed, accepted) -> None:
         """Adds reached lookup nodes and whether the target accepted each."""
         d, b, a = self._buckets(depths, raw, agreed)
-        np.add.at(self.reached, (d, b, a), 1.0)
-        np.add.at(self.accepted, (d, b, a), np.asarray(accepted, dtype=np.float64))
+        # Bucket counts by bincount over the flat index (np.add.at's per-call
+        # cost is several times that, and this runs every step).
+        flat = np.ravel_multi_index((d, b, a), self.reached.shape)
+        size = self.reached.size
+        self.reached += np.bincount(flat, minlength=size).reshape(self.reached.shape)
+        self.accepted += np.bincount(
+            flat, weights=np.asarray(accepted, dtype=np.float64), minlength=size
+        ).reshape(self.accepted.shape)
 
     def calibrate(
         self, draft: LookupDraft, agreed: Sequence[bool] | None = None
@@ -87,8 +93,7 @@ class LookupCalibration:
         agreed = np.zeros(n, dtype=bool) if agreed is None else np.asarray(agreed)
         probs = self.probability(depths, draft.probs, agreed)
         parents = np.asarray(draft.parents, dtype=np.int64)
-        mass = np.zeros(n + 1)
-        np.add.at(mass, parents + 1, probs)
+        mass = np.bincount(parents + 1, weights=probs, minlength=n + 1)  # [n + 1]
         scale = np.where(mass > 1.0, (1.0 - 1e-6) / np.maximum(mass, 1e-300), 1.0)
         probs = np.clip(probs * scale[parents + 1], 1e-9, 1.0)
         return LookupDraft(list(draft.tokens), list(draft.parents), probs.tolist())

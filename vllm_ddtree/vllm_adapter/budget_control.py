@@ -602,20 +602,8 @@ class BudgetController:
         nodes (host lists, one entry per such tree): each tree's verified
         nodes' path probabilities and depths, and how deep its accepted path
         went."""
-        if not path_probs:
-            return
-        width = max(len(p) for p in path_probs)
-        probs = np.zeros((len(path_probs), width), dtype=np.float32)
-        node_depths = np.zeros((len(path_probs), width), dtype=np.int64)
-        for r, (p, d) in enumerate(zip(path_probs, depths, strict=True)):
-            probs[r, : len(p)] = p
-            node_depths[r, : len(d)] = d
-        self.lookup_calibration.update(
-            torch.from_numpy(probs),
-            torch.from_numpy(node_depths),
-            torch.from_numpy(node_depths > 0),
-            torch.tensor(num_accepted),
-        )
+        if path_probs:
+            self.lookup_calibration.update_host(path_probs, depths, num_accepted)
 
     def _lookup_only_step(
         self, trees: list[UnionTree | None], context: float
@@ -646,7 +634,9 @@ class BudgetController:
         # the best k nodes, the requests among the first k in the order (one
         # request's lookup tree must not price the others' in).
         first_seen = np.zeros(values.size + 1)
-        if values.size:
+        if values.size and num_reqs == 1:
+            first_seen[1] = 1.0
+        elif values.size:
             owners = order[1] % num_reqs
             _, first = np.unique(owners, return_index=True)
             first_seen[first + 1] = 1.0
@@ -706,7 +696,8 @@ class BudgetController:
         counts = np.minimum(counts, sizes)
         # A skipped step's request-steps count as 0 nodes (draft_next); a
         # lookup-only step's are counted by the nodes it verifies instead.
-        np.add.at(self._lookup_only_histogram, counts, 1)
+        histogram = self._lookup_only_histogram
+        histogram += np.bincount(counts, minlength=histogram.shape[0])
         self._skipped_request_steps -= min(self._last_skipped, num_reqs)
         self._last_skipped = 0
         return counts.tolist()

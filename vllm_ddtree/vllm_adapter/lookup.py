@@ -169,9 +169,9 @@ def _from_suffix_draft(draft) -> LookupDraft | None:
         return None
     parents = [int(p) for p in draft.parents]
     probs = np.clip(np.asarray(draft.probs, dtype=np.float64), 1e-9, 1.0)
-    mass = np.zeros(len(parents) + 1)
-    np.add.at(mass, np.asarray(parents) + 1, probs)
-    probs = probs / np.maximum(mass[np.asarray(parents) + 1], 1.0)
+    slots = np.asarray(parents) + 1  # [n] the parent's slot (0: the root)
+    mass = np.bincount(slots, weights=probs, minlength=len(parents) + 1)
+    probs = probs / np.maximum(mass[slots], 1.0)
     return LookupDraft([int(t) for t in draft.token_ids], parents, probs.tolist())
 
 
