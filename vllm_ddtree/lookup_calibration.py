@@ -22,6 +22,7 @@ reached lookup nodes and whether each was accepted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,32 +54,31 @@ class LookupCalibration:
         self.reached = np.zeros(shape)
         self.accepted = np.zeros(shape)
 
-    def _buckets(self, depths, raw, agreed) -> tuple[np.ndarray, ...]:
-        depths = np.clip(np.asarray(depths, dtype=np.int64), 1, self.max_depth) - 1
-        raw = np.asarray(raw, dtype=np.float64)
-        bins = np.clip(np.ceil(raw * self.num_bins).astype(np.int64) - 1, 0, None)
-        bins = np.minimum(bins, self.num_bins - 1)
-        return depths, bins, np.asarray(agreed, dtype=np.int64)
+    # A step brings a few trees of a few nodes: per-node float arithmetic on
+    # the host, where numpy's per-call overhead was most of the time.
+
+    def _bucket(self, depth: int, raw: float, agreed: bool) -> tuple[int, int, int]:
+        """The (depth, raw bucket, agreed) index of one node."""
+        depth = min(max(int(depth), 1), self.max_depth) - 1
+        bucket = min(max(math.ceil(raw * self.num_bins) - 1, 0), self.num_bins - 1)
+        return depth, bucket, int(bool(agreed))
 
     def probability(self, depths, raw, agreed) -> np.ndarray:
-        """Calibrated probabilities of nodes (arrays of one entry per node:
+        """Calibrated probabilities of nodes (sequences of one entry per node:
         depth >= 1, raw score in (0, 1], drafter agreement)."""
-        d, b, a = self._buckets(depths, raw, agreed)
         w = self.prior_weight
-        raw = np.asarray(raw, dtype=np.float64)
-        return (self.accepted[d, b, a] + w * raw) / (self.reached[d, b, a] + w)
+        out = []
+        for d, r, a in zip(depths, raw, agreed, strict=True):
+            key = self._bucket(d, float(r), a)
+            out.append((self.accepted[key] + w * r) / (self.reached[key] + w))
+        return np.asarray(out, dtype=np.float64)
 
     def observe(self, depths, raw, agreed, accepted) -> None:
         """Adds reached lookup nodes and whether the target accepted each."""
-        d, b, a = self._buckets(depths, raw, agreed)
-        # Bucket counts by bincount over the flat index (np.add.at's per-call
-        # cost is several times that, and this runs every step).
-        flat = np.ravel_multi_index((d, b, a), self.reached.shape)
-        size = self.reached.size
-        self.reached += np.bincount(flat, minlength=size).reshape(self.reached.shape)
-        self.accepted += np.bincount(
-            flat, weights=np.asarray(accepted, dtype=np.float64), minlength=size
-        ).reshape(self.accepted.shape)
+        for d, r, a, hit in zip(depths, raw, agreed, accepted, strict=True):
+            key = self._bucket(d, float(r), a)
+            self.reached[key] += 1.0
+            self.accepted[key] += float(hit)
 
     def calibrate(
         self, draft: LookupDraft, agreed: Sequence[bool] | None = None
@@ -89,11 +89,14 @@ class LookupCalibration:
         n = len(draft.tokens)
         if n == 0:
             return draft
-        depths = draft.depths()
-        agreed = np.zeros(n, dtype=bool) if agreed is None else np.asarray(agreed)
-        probs = self.probability(depths, draft.probs, agreed)
-        parents = np.asarray(draft.parents, dtype=np.int64)
-        mass = np.bincount(parents + 1, weights=probs, minlength=n + 1)  # [n + 1]
-        scale = np.where(mass > 1.0, (1.0 - 1e-6) / np.maximum(mass, 1e-300), 1.0)
-        probs = np.clip(probs * scale[parents + 1], 1e-9, 1.0)
-        return LookupDraft(list(draft.tokens), list(draft.parents), probs.tolist())
+        agreed = [False] * n if agreed is None else agreed
+        probs = self.probability(draft.depth_list(), draft.probs, agreed).tolist()
+        mass = [0.0] * (n + 1)  # children's sum per parent slot (0: the root)
+        for parent, p in zip(draft.parents, probs, strict=True):
+            mass[parent + 1] += p
+        scale = [(1.0 - 1e-6) / m if m > 1.0 else 1.0 for m in mass]
+        probs = [
+            min(max(p * scale[parent + 1], 1e-9), 1.0)
+            for parent, p in zip(draft.parents, probs, strict=True)
+        ]
+        return LookupDraft(list(draft.tokens), list(draft.parents), probs)

@@ -114,9 +114,13 @@ class LookupDraft:
 
     def depths(self) -> np.ndarray:
         """[n] int64 each node's depth (a child of the root: 1)."""
-        depths = np.empty(len(self.tokens), dtype=np.int64)
-        for i, parent in enumerate(self.parents):
-            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        return np.asarray(self.depth_list(), dtype=np.int64)
+
+    def depth_list(self) -> list[int]:
+        """:meth:`depths` as a list."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
         return depths
 
     def children(self) -> dict[int, list[int]]:

@@ -213,17 +213,17 @@ class BatchLookup:
         root: int,
         log_probs: np.ndarray,
         token_ids: np.ndarray,
-    ) -> tuple[UnionTree, np.ndarray, list[bool]]:
+    ) -> tuple[UnionTree, list[int], list[bool]]:
         """Batch row ``row``'s union tree, its lookup nodes' depths and
         agreement with the drafter; ``log_probs``/``token_ids`` [L, K]
         (L = 0 without a drafter pass)."""
         draft = self.drafts[row]
-        depths = draft.depths()
+        depths = draft.depth_list()
         num_depths = log_probs.shape[0]
         candidates = [set(token_ids[d].tolist()) for d in range(num_depths)]
         agreed = [
             bool(d <= num_depths and int(t) in candidates[d - 1])
-            for t, d in zip(draft.tokens, depths.tolist(), strict=True)
+            for t, d in zip(draft.tokens, depths, strict=True)
         ]
         calibrated = self.calibration.calibrate(draft, agreed)
         tree = build_union_tree(
@@ -244,7 +244,7 @@ class BatchLookup:
             tokens=tree.tokens[1:],
             sources=tree.sources[1:],
             nodes=nodes,
-            depths=[int(depths[tree.lookup_nodes[i]]) for i in nodes],
+            depths=[depths[tree.lookup_nodes[i]] for i in nodes],
             raw=[float(draft.probs[tree.lookup_nodes[i]]) for i in nodes],
             agreed=[agreed[tree.lookup_nodes[i]] for i in nodes],
             path_probs=np.exp(tree.log_scores[1:]).tolist(),
@@ -293,12 +293,12 @@ class BatchLookup:
 
     def lookup_only_unions(
         self, rows: list[int]
-    ) -> list[tuple[UnionTree, np.ndarray, list[bool]] | None]:
+    ) -> list[tuple[UnionTree, list[int], list[bool]] | None]:
         """Per batch row, its tree of lookup nodes alone (no drafter pass this
         step), rooted at its last committed token, with its lookup nodes'
         depths and drafter agreement (none), or None: rows not in ``rows``."""
         empty = np.zeros((0, 1))
-        unions: list[tuple[UnionTree, np.ndarray, list[bool]] | None]
+        unions: list[tuple[UnionTree, list[int], list[bool]] | None]
         unions = [None for _ in self.last_tokens]
         for b in rows:
             unions[b] = self._union_tree(
@@ -309,7 +309,7 @@ class BatchLookup:
     def lookup_only_trees(
         self,
         req_ids: list[str],
-        unions: list[tuple[UnionTree, np.ndarray, list[bool]] | None],
+        unions: list[tuple[UnionTree, list[int], list[bool]] | None],
         num_nodes: list[int],
     ) -> list[tuple[list[int], list[int], list[float]]] | None:
         """The batch's trees to verify, on the host (what the scheduler gets:
