@@ -11,8 +11,9 @@ responses across requests). At each verify step the lookup proposes (up to
 output follows, plus the bonus token. Variants: the cache's tree
 (``use_tree_spec=True``, what ddtree's union tree takes) or its single path
 (what vLLM's ``"suffix"`` verifies), with and without the cross-request memory
-(``max_cached_requests`` 0: each request's own prompt and output only); and
-vLLM's n-gram matcher (prompt lookup, 1..3-grams). Reported: acceptance length
+(``max_cached_requests`` 0: each request's own prompt and output only), the
+tree at ``suffix_decoding_max_spec_factor`` 2 and 4 (longer proposals, more
+rows); and vLLM's n-gram matcher (prompt lookup, 1..3-grams). Reported: acceptance length
 tau (tokens per verify step) over the first 64 and 256 output tokens, and the
 mean lookup nodes per step (what they cost a node budget).
 
@@ -85,7 +86,7 @@ def replay(rows, horizon: int, propose, start=None, add=None, stop=None):
     return tokens / max(steps, 1), nodes / max(steps, 1)
 
 
-def suffix_variant(max_spec: int, tree: bool, cached: int):
+def suffix_variant(max_spec: int, tree: bool, cached: int, factor: float = 1.0):
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=cached)
@@ -98,7 +99,7 @@ def suffix_variant(max_spec: int, tree: bool, cached: int):
             k,
             context[-24:],
             max_spec_tokens=max_spec,
-            max_spec_factor=1.0,
+            max_spec_factor=factor,
             min_token_prob=0.1,
             use_tree_spec=tree,
         )
@@ -145,6 +146,14 @@ def main() -> None:
             args.max_spec, False, 0
         ),
         "n-gram (vLLM ngram, 1-3)": lambda: ngram_variant(args.max_spec),
+        # vLLM's suffix_decoding_max_spec_factor: a proposal's length is capped
+        # at factor x the match length (1.0: vLLM's default).
+        "suffix tree, cross-request, max_spec_factor 2": lambda: suffix_variant(
+            args.max_spec, True, 10000, 2.0
+        ),
+        "suffix tree, cross-request, max_spec_factor 4": lambda: suffix_variant(
+            args.max_spec, True, 10000, 4.0
+        ),
     }
     table = {}
     for name, make in variants.items():

@@ -618,15 +618,17 @@ class BudgetController:
         width = max((t.num_nodes for t in trees if t is not None), default=0)
         values = np.zeros((num_reqs, width))  # [R, B]
         charged = np.zeros((num_reqs, width))  # [R, B]
-        factors = self.lookup_calibration.factors().numpy()  # [B + 1]
+        factors = self.lookup_calibration.factors().tolist()  # [B + 1]
+        deepest = len(factors) - 1
         for r, tree in enumerate(trees):
             n = 0 if tree is None else tree.num_nodes
             if not n:
                 continue
-            depths = np.minimum(tree.depths[1:], factors.shape[0] - 1)
-            values[r, :n] = np.minimum(
-                np.exp(tree.log_scores[1:]) * factors[depths], 1.0
-            )
+            # A few nodes: floats, not numpy calls (this runs every step).
+            values[r, :n] = [
+                min(math.exp(score) * factors[min(depth, deepest)], 1.0)
+                for score, depth in zip(tree.log_scores[1:], tree.depths[1:])
+            ]
             charged[r, :n] = self._charged_host(tree.parents)
         rows = num_reqs + np.arange(values.size + 1)
         order = allocation_order_host(values)
@@ -658,14 +660,22 @@ class BudgetController:
         values, curve, order = self._lookup_only_step(trees, context)
         return allocate_nodes_host(values, curve, order=order)
 
-    def _charged_host(self, parents: list[int]) -> np.ndarray:
+    def _charged_host(self, parents: list[int]) -> list[float]:
         """[n] :meth:`charged_nodes` of one host tree (``parents``, root
         first): every node, or the nodes off its leading chain."""
         n = len(parents) - 1
         if self.charge_all_nodes:
-            return np.ones(n)
-        spine = np.cumprod(np.asarray(parents[1:]) == np.arange(n))
-        return 1.0 - spine
+            return [1.0] * n
+        branch = self.branch_rows(parents)
+        return [0.0] * (n - branch) + [1.0] * branch
+
+    @staticmethod
+    def branch_rows(parents: list[int]) -> int:
+        """Nodes of a tree (``parents``, root first) off its leading chain."""
+        spine = 1
+        while spine < len(parents) and parents[spine] == spine - 1:
+            spine += 1
+        return len(parents) - spine
 
     def choose_lookup_only(self, trees: list[UnionTree | None]) -> list[int]:
         """Nodes to keep per request of lookup-only trees (a step whose

@@ -219,7 +219,8 @@ class DDTreeVerifier:
             else:
                 trees = getattr(scheduler_output, "scheduled_draft_trees", None)
                 charged = sum(
-                    _branch_rows(t.parents) for t in (trees or {}).values()
+                    self.budget.branch_rows(t.parents)
+                    for t in (trees or {}).values()
                 )
             self._step_clock = (
                 time.perf_counter(),
@@ -766,14 +767,6 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
 
 
 # >>> auto budget
-def _branch_rows(parents: list[int]) -> int:
-    """Nodes of a tree (``parents``, root first) off its leading chain."""
-    spine = 1
-    while spine < len(parents) and parents[spine] == spine - 1:
-        spine += 1
-    return len(parents) - spine
-
-
 def _committed_rows(step: StepTrees, plan: CommitPlan) -> torch.Tensor:
     """[T] bool: the rows of a verify step whose tokens were committed, every
     row but each tree block's rejected tail (its accepted path having been moved
