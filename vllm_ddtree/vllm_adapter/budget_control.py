@@ -627,7 +627,7 @@ class BudgetController:
             # A few nodes: floats, not numpy calls (this runs every step).
             values[r, :n] = [
                 min(math.exp(score) * factors[min(depth, deepest)], 1.0)
-                for score, depth in zip(tree.log_scores[1:], tree.depths[1:])
+                for score, depth in zip(tree.log_scores[1:], tree.depths[1:], strict=True)
             ]
             charged[r, :n] = self._charged_host(tree.parents)
         rows = num_reqs + np.arange(values.size + 1)
