@@ -328,6 +328,14 @@ class BudgetController:
         if self.tree_node_cost is None:
             self.tree_node_cost = NodeCostModel()
 
+    @staticmethod
+    def branch_rows(parents: list[int]) -> int:
+        """Nodes of a tree (``parents``, root first) off its leading chain."""
+        spine = 1
+        while spine < len(parents) and parents[spine] == spine - 1:
+            spine += 1
+        return len(parents) - spine
+
     def charged_nodes(self, tree: DraftTree) -> torch.Tensor | None:
         """[R, B] float: 1 for each node charged per node (every real node of
         a recurrent target's tree; the branch rows otherwise), or None without
@@ -668,14 +676,6 @@ class BudgetController:
             return [1.0] * n
         branch = self.branch_rows(parents)
         return [0.0] * (n - branch) + [1.0] * branch
-
-    @staticmethod
-    def branch_rows(parents: list[int]) -> int:
-        """Nodes of a tree (``parents``, root first) off its leading chain."""
-        spine = 1
-        while spine < len(parents) and parents[spine] == spine - 1:
-            spine += 1
-        return len(parents) - spine
 
     def choose_lookup_only(self, trees: list[UnionTree | None]) -> list[int]:
         """Nodes to keep per request of lookup-only trees (a step whose
