@@ -644,9 +644,7 @@ class BudgetController:
         # the best k nodes, the requests among the first k in the order (one
         # request's lookup tree must not price the others' in).
         first_seen = np.zeros(values.size + 1)
-        if values.size and num_reqs == 1:
-            first_seen[1] = 1.0
-        elif values.size:
+        if values.size:
             owners = order[1] % num_reqs
             _, first = np.unique(owners, return_index=True)
             first_seen[first + 1] = 1.0
