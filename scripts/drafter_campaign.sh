@@ -10,6 +10,12 @@
 #                                   # data, the sweep, train at the sweep's best LR
 #                                   # (highest final val_tau_chain), export to
 #                                   # WORKDIR/export; every part resumes from disk
+#   bash scripts/drafter_campaign.sh session ROUND [LR]  # one session-sized round:
+#                                   # features of the ROUND-th block of SESSION_SEQS
+#                                   # sequences (default 2500), SESSION_STEPS steps
+#                                   # (default 1500, WSD decay over the last third) from
+#                                   # INIT (default: the committed drafter), export to
+#                                   # WORKDIR/round-ROUND/export, then the vLLM replay
 #   bash scripts/drafter_campaign.sh pause     # SIGSTOP: before the suite or any timing
 #   bash scripts/drafter_campaign.sh resume    # SIGCONT
 #   bash scripts/drafter_campaign.sh status    # stage, progress, last held-out numbers
@@ -71,6 +77,31 @@ generations.jsonl; do ln -sf '$WORKDIR'/\$f '$d'/\$f; done; "
     echo $! >"$PIDFILE"
     echo "$cmd started (pid $!): $*; log $LOG"
     ;;
+  session)
+    # Machines here do not keep ~/.cache from one session to the next: a round fits
+    # one session (features ~1 s per sequence, a step ~3 s on 2 cores) and goes on
+    # from the committed drafter; its export is committed when vLLM accepts it more.
+    round="${2:?session needs a round number}"
+    lr="${3:-3e-4}"
+    if p=$(pid); then echo "already running (pid $p)"; exit 0; fi
+    d="$WORKDIR/round-$round"
+    seqs="${SESSION_SEQS:-2500}"
+    steps="${SESSION_STEPS:-1500}"
+    init="${INIT:-vllm_ddtree/drafter/smollm2_135m}"
+    py=".venv/bin/python -m vllm_ddtree.drafter"
+    runs="set -e; $py data --workdir '$d' --max-sequences $seqs --data-round $round; "
+    runs+="$py train --workdir '$d' --init-from '$init' --lr $lr --steps $steps \
+--decay-steps $((steps / 3)) --eval-every 100; "
+    runs+="$py export --workdir '$d' --init-from '$init' --lr $lr --steps $steps \
+--decay-steps $((steps / 3)) --export-dir '$d/export'; "
+    runs+=".venv/bin/python -m vllm_ddtree.drafter.replay --checkpoint '$d/export' \
+--out '$d/replay'; "
+    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-3}" setsid nohup nice -n 19 \
+      bash -c "$runs" >>"$LOG" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+    echo "session round $round started (pid $!): $seqs sequences, $steps steps at lr $lr \
+from $init; log $LOG"
+    ;;
   pause|resume|stop)
     p=$(pid) || { echo "not running"; exit 0; }
     sig=$([[ $1 == pause ]] && echo STOP || ([[ $1 == resume ]] && echo CONT || echo TERM))
@@ -84,21 +115,25 @@ generations.jsonl; do ln -sf '$WORKDIR'/\$f '$d'/\$f; done; "
     else
       echo "not running"
     fi
-    [[ -f "$WORKDIR/generations.jsonl" ]] && \
-      echo "generations: $(wc -l <"$WORKDIR/generations.jsonl") prompts done"
-    [[ -f "$WORKDIR/index.json" ]] && .venv/bin/python -c "
+    for w in "$WORKDIR" "$WORKDIR"/round-*; do
+      [[ -d "$w" ]] || continue
+      [[ $w == "$WORKDIR" ]] || echo "== $(basename "$w")"
+      [[ -f "$w/generations.jsonl" ]] && \
+        echo "generations: $(wc -l <"$w/generations.jsonl") prompts done"
+      [[ -f "$w/index.json" ]] && .venv/bin/python -c "
 import json, sys; i = json.load(open(sys.argv[1]))
 print(f'features: {len(i[\"ids\"])} sequences, {i[\"offsets\"][-1] + i[\"lengths\"][-1] if i[\"ids\"] else 0:,} tokens')
-" "$WORKDIR/index.json"
-    if [[ -f "$WORKDIR/train_log.jsonl" ]]; then
-      tail -n 1 "$WORKDIR/train_log.jsonl" | cut -c1-200
-      grep val_tau "$WORKDIR/train_log.jsonl" | tail -n 1 | cut -c1-300
-    fi
+" "$w/index.json"
+      if [[ -f "$w/train_log.jsonl" ]]; then
+        tail -n 1 "$w/train_log.jsonl" | cut -c1-200
+        grep val_tau "$w/train_log.jsonl" | tail -n 1 | cut -c1-300
+      fi
+    done
     [[ -f "$WORKDIR/sweep/chosen_lr" ]] && echo "sweep chose lr $(cat "$WORKDIR/sweep/chosen_lr")"
     for log in "$WORKDIR"/sweep/*/train_log.jsonl; do
       [[ -f "$log" ]] || continue
       echo "sweep $(basename "$(dirname "$log")"): $(grep val_tau "$log" | tail -n 1 | cut -c1-200)"
     done
     ;;
-  *) echo "usage: $0 start|sweep|pipeline|pause|resume|status|stop" >&2; exit 2 ;;
+  *) echo "usage: $0 start|sweep|pipeline|session|pause|resume|status|stop" >&2; exit 2 ;;
 esac

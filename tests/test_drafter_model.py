@@ -392,3 +392,51 @@ def test_learning_rate_schedules():
         train.TrainConfig(steps=100, lr_schedule="linear", **base)
     with pytest.raises(ValueError, match="decay_steps"):  # would never decay
         train.TrainConfig(steps=100, lr_schedule="wsd", **base)
+
+
+def test_session_rounds_and_init_from_an_exported_drafter(tmp_path):
+    """A session-sized campaign: disjoint feature rounds, and training that starts
+    from an exported drafter (its weights and draft vocabulary), refused when its
+    shape differs from the training config."""
+    import json
+
+    from vllm_ddtree.drafter import data
+
+    rows = [{"id": i, "prompt_ids": [1], "output_ids": [2] * 8} for i in range(10)]
+    rounds = [[r["id"] for r in data.round_subset(rows[::-1], 3, k, seed=0)]
+              for k in range(4)]
+    assert len(set(sum(rounds[:3], []))) == 9  # three disjoint blocks of 3
+    assert rounds[3] == rounds[0]  # then around again
+    assert rounds[0] != sorted(rounds[0]) or rounds[1] != sorted(rounds[1])  # shuffled
+
+    target_dir = tiny_models.make_target(tmp_path / "target", arch="qwen3", kind="random",
+                                         seed=5)
+    rng = np.random.default_rng(1)
+    gens = [{"id": i, "source": "sharegpt", "temperature": 0.0,
+             "prompt_ids": rng.integers(20, 300, size=6).tolist(),
+             "output_ids": rng.integers(30, 60, size=20).tolist()} for i in range(12)]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / data.GENERATIONS).write_text("".join(json.dumps(r) + "\n" for r in gens))
+    index = data.extract_features(work, target_dir, [0, 2], max_sequences=5, data_round=1)
+    assert sorted(index.ids) == sorted(r["id"] for r in data.round_subset(gens, 5, 1, 0))
+    with pytest.raises(ValueError, match="another --max-sequences"):
+        data.extract_features(work, target_dir, [0, 2], max_sequences=5, data_round=0)
+
+    init = random_drafter(target_dir, seed=7, draft_vocab_size=16)
+    init.export(tmp_path / "init", dtype=torch.float32)
+    config = train.TrainConfig(
+        target_layer_ids=[0, 2], num_layers=2, block_size=BLOCK_SIZE,
+        mask_token_id=tiny_models.MASK_TOKEN_ID, steps=1, seqs_per_step=2, anchors_per_seq=2,
+        lr=0.0, loss_decay=7.0, ckpt_every=1, eval_every=1, seed=0, warmup=1,
+        val_every_nth_seq=4, autocast="none", draft_vocab_size=16,
+        init_from=str(tmp_path / "init"))
+    train.train(work, target_dir, config)  # lr 0: the checkpoint is the start
+    state = torch.load(work / train.CKPT_DIR / "step_1.pt", weights_only=False)["model"]
+    for name, value in init.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+    config.num_layers = 1
+    with pytest.raises(ValueError, match="num_layers: 2 \\(training config: 1\\)"):
+        train.load_init(tmp_path / "init", config,
+                        transformers.AutoConfig.from_pretrained(target_dir))

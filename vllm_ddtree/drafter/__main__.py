@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="weight of the target's top-k soft labels beside the hard label")
     p.add_argument("--bucketed", action=argparse.BooleanOptionalAction, default=True,
                    help="a step's sequences are length neighbours (little padding)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="train: start from this exported drafter (e.g. the committed one) "
+                        "instead of the target's layers")
+    p.add_argument("--max-sequences", type=int, default=0,
+                   help="features: only this many generated sequences (0: all), a seeded "
+                        "random subset; with --data-round R the R-th disjoint subset, so a "
+                        "session-sized campaign sees new data each round")
+    p.add_argument("--data-round", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -102,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
                                     dtype=args.gen_dtype, sampled_every=args.sampled_every)
     if "features" in stages:
         data.extract_features(args.workdir, target, args.target_layer_ids,
-                              dtype=args.gen_dtype, topk=args.topk)
+                              dtype=args.gen_dtype, topk=args.topk,
+                              max_sequences=args.max_sequences, data_round=args.data_round,
+                              seed=args.seed)
     if "train" in stages or "export" in stages:
         from vllm_ddtree.drafter import train
 

