@@ -837,3 +837,37 @@ def test_profile_times_the_lm_head_over_every_row():
     for rows in (1, 4, 16):
         seconds = c.plain_step_cost.predict(rows)
         assert 0.001 * rows <= seconds < 0.001 * rows + 0.04, (rows, seconds)
+
+
+def test_stalls_are_kept_out_of_the_timing_but_a_slower_machine_is_followed():
+    """A kernel compile on a variant's first launch (1.5 s against 25 ms steps)
+    is not a step's cost: dropped, and counted in the stats line; the same for
+    the drafter. Five times slower for good (another job took the CPU) is
+    followed after three dropped samples."""
+    pytest.importorskip("vllm")
+    from vllm_ddtree.vllm_adapter.budget_control import BudgetController
+
+    c = BudgetController(max_depth=4, budget=8, device="cpu", max_rows=64, max_reqs=8)
+    for rows in (1, 2, 4, 8, 16, 32, 64) * 2:
+        c.plain_step_cost.add_profile_sample(rows, 0.020 + 0.0005 * rows)
+    c.record_step(5, 1.0, 1)  # the engine's first tree step: a warm-up
+    for _ in range(50):
+        c.record_step(1, 0.0205)
+        c.record_step(5, 0.0225 + 0.002, 1)
+        c.record_drafter(True, 1, 0.005, depth=4)
+    c.record_step(5, 1.5, 1)  # a compile in a tree step
+    c.record_step(1, 1.5)  # and in a plain one
+    c.record_drafter(True, 1, 1.5, depth=4)
+    c.record_step(5, 0.0225 + 0.002, 1)
+    c.record_drafter(True, 1, 0.005, depth=4)
+    assert c.tree_overhead_cost.predict(1) == pytest.approx(0.002, rel=0.05)
+    assert c.plain_step_cost.predict(1) == pytest.approx(0.0205, rel=0.05)
+    assert c.full_pass_seconds(1, 4) == pytest.approx(0.005, rel=0.05)
+    assert c.step_outliers.num_dropped == 2
+    assert "dropped as stalls (> 4x predicted) 2 target steps, 1 drafter passes" in (
+        c.stats_line()
+    )
+    for _ in range(400):  # five times slower from now on
+        c.record_step(1, 5 * 0.0205)
+    assert c.step_outliers.num_dropped == 2 + 3
+    assert c.plain_step_cost.predict(1) == pytest.approx(5 * 0.0205, rel=0.2)

@@ -465,3 +465,40 @@ class NodeCostModel:
 
     def predict(self, nodes) -> np.ndarray | float:
         return self.slope * np.asarray(nodes, dtype=np.float64)
+
+
+class OutlierFilter:
+    """Keeps a cost model's timing samples from stalls that are not its cost.
+
+    A Triton compile on a kernel variant's first launch (1-2 s on a GPU), a
+    page-fault storm or a descheduled process can make one step 50-100x its
+    usual time; with forgetting at 0.995 per sample such a step dominates a fit
+    for hundreds of steps and teaches the budget that drafting does not pay. A
+    sample more than ``factor`` times its model's prediction is dropped, unless
+    ``max_consecutive`` such samples came right before it: then the machine
+    itself got slower (another job, a smaller CPU share), and every slow sample
+    is taken until one is not, so the model follows the new level.
+    """
+
+    def __init__(self, factor: float = 4.0, max_consecutive: int = 3):
+        if factor <= 1 or max_consecutive < 0:
+            raise ValueError(
+                f"need factor > 1 and max_consecutive >= 0, got {factor}, "
+                f"{max_consecutive}"
+            )
+        self.factor = factor
+        self.max_consecutive = max_consecutive
+        self.num_dropped = 0
+        self._run = 0
+
+    def accept(self, seconds: float, predicted: float | None) -> bool:
+        """Whether a sample of ``seconds`` against ``predicted`` (None: no
+        model yet, always taken) goes to the model."""
+        if predicted is None or predicted <= 0 or seconds <= self.factor * predicted:
+            self._run = 0
+            return True
+        if self._run >= self.max_consecutive:
+            return True
+        self._run += 1
+        self.num_dropped += 1
+        return False

@@ -63,6 +63,7 @@ from vllm.utils import torch_utils
 from vllm_ddtree.budget import (
     AcceptanceCalibration,
     NodeCostModel,
+    OutlierFilter,
     ProfiledStepCost,
     StepCostModel,
     allocate_nodes,
@@ -156,6 +157,11 @@ class BudgetController:
         # rows (:meth:`track_branch_rows`).
         self.charge_all_nodes = False
         self._tree_warmed_up = False
+        # Stalls (a compile on a kernel variant's first launch, a descheduled
+        # process) kept out of the timing samples: the target's steps and the
+        # drafter's passes, each with its own run of slow samples.
+        self.step_outliers = OutlierFilter()
+        self.drafter_outliers = OutlierFilter()
         # The full pass by requests, one model per draft depth (the drafter's
         # block forward, the same at every depth, plus the LM head over
         # ``depth`` positions per request): one model over requests * (depth +
@@ -380,6 +386,11 @@ class BudgetController:
         request tell them apart; at one ratio any split predicts the same)."""
         if rows <= 0 or target_seconds <= 0:
             return
+        timed = not tree_requests or self._tree_warmed_up
+        if self.plain_step_cost.ready and timed:
+            predicted = float(self.tree_step_seconds(rows, tree_requests))
+            if not self.step_outliers.accept(target_seconds, predicted):
+                return
         if not tree_requests:
             self.plain_step_cost.update(rows, target_seconds)
         elif not self._tree_warmed_up:
@@ -439,9 +450,11 @@ class BudgetController:
                 if model is None:
                     model = StepCostModel(self._max_reqs)
                     self._full_drafter_costs[depth] = model
-                model.update(num_reqs, seconds)
             else:
-                self.context_drafter_cost.update(num_reqs, seconds)
+                model = self.context_drafter_cost
+            predicted = float(model.predict(num_reqs)) if model.ready else None
+            if self.drafter_outliers.accept(seconds, predicted):
+                model.update(num_reqs, seconds)
 
     @property
     def chosen_histogram(self) -> torch.Tensor:
@@ -465,7 +478,10 @@ class BudgetController:
             f"DDTree auto budget: mean nodes per request-step {mean:.2f} over "
             f"{total} request-steps (nodes: request-steps {bins or '-'}); drafter "
             f"skipped {self.num_skipped_steps} of {self._steps} steps; draft depth "
-            f"{self.draft_depth}"
+            f"{self.draft_depth}; timing samples dropped as stalls (> "
+            f"{self.step_outliers.factor:g}x predicted) "
+            f"{self.step_outliers.num_dropped} target steps, "
+            f"{self.drafter_outliers.num_dropped} drafter passes"
         )
         # >>> lookup
         line += (
