@@ -271,3 +271,33 @@ def test_tree_builders_declare_no_cuda_graph_support():
             builder
         )
 
+
+
+def test_what_ddtree_changes_on_cuda_is_said(on, caplog):
+    """The backend (vLLM's default would be FLASH_ATTN on Hopper: prefill and TTFT
+    move with it) and the graph mode are changed with a log line, not silently; a
+    backend the user named is not re-announced."""
+    import logging
+
+    on("cuda", True)
+    caplog.set_level(logging.INFO)
+    # vLLM's loggers do not propagate to the root logger caplog hooks.
+    logger = logging.getLogger("vllm_ddtree.vllm_adapter.checks")
+    logger.addHandler(caplog.handler)
+    try:
+        _check_the_lines_said(caplog)
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def _check_the_lines_said(caplog):
+    gpu_engine_settings([None])
+    assert "attention backend set to TRITON_ATTN" in caplog.text
+    caplog.clear()
+    gpu_engine_settings(["TRITON_ATTN"])
+    assert "attention backend" not in caplog.text
+    gpu_compilation_settings({"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    assert "cudagraph_mode FULL_AND_PIECEWISE -> PIECEWISE" in caplog.text
+    caplog.clear()
+    gpu_compilation_settings({"cudagraph_mode": "PIECEWISE"})
+    assert "cudagraph_mode" not in caplog.text

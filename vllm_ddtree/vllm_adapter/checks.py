@@ -119,9 +119,8 @@ def gpu_engine_settings(requested_backends) -> str | None:
 
     if not current_platform.is_cuda():
         return None
-    for backend in requested_backends:
-        if backend is None:
-            continue
+    requested = [b for b in requested_backends if b is not None]
+    for backend in requested:
         name = getattr(backend, "name", str(backend))
         if name != GPU_TREE_ATTENTION_BACKEND:
             raise ValueError(
@@ -129,6 +128,19 @@ def gpu_engine_settings(requested_backends) -> str | None:
                 f"{GPU_TREE_ATTENTION_BACKEND} backend; attention backend {name} "
                 "was requested"
             )
+    if not requested:
+        # vLLM would pick its own default (FLASH_ATTN on Hopper): prefill and
+        # time to first token move with the switch, so it is said.
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning(
+            "ddtree: attention backend set to %s for every layer (vLLM's "
+            "default backend has no tree attention); prefill and time to first "
+            "token run on it too. Pass --attention-backend %s to make this "
+            "explicit.",
+            GPU_TREE_ATTENTION_BACKEND,
+            GPU_TREE_ATTENTION_BACKEND,
+        )
     return GPU_TREE_ATTENTION_BACKEND
 
 
@@ -168,6 +180,13 @@ def gpu_compilation_settings(compilation) -> None:
     if isinstance(mode, str):
         mode = CUDAGraphMode[mode.upper()]
     if mode is None or mode.has_full_cudagraphs():
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning(
+            "ddtree: cudagraph_mode %s -> PIECEWISE (a verify step's tree plan "
+            "is built per step; a full graph would replay one step's)",
+            "vLLM's default" if mode is None else mode.name,
+        )
         mode = CUDAGraphMode.PIECEWISE
     put(compilation, "cudagraph_mode", mode)
     passes = get(compilation, "pass_config")

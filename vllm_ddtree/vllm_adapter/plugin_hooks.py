@@ -84,6 +84,14 @@ def speculative_config_hook(create_speculative_config):
                     "ddtree needs synchronous scheduling (the tree structure and the "
                     "KV commit live in the worker between steps); drop async_scheduling"
                 )
+            if self.async_scheduling is None:
+                # vLLM 0.32 would turn it on for "dflash": said, not silent.
+                from vllm.logger import init_logger
+
+                init_logger(__name__).info(
+                    "ddtree: async scheduling off (the tree structure and the KV "
+                    "commit live in the worker between steps)"
+                )
             self.async_scheduling = False
             if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
                 raise ValueError(
