@@ -146,7 +146,7 @@ FEATURE_REWRITES[BUDGET] = [
         "The auto budget (``ddtree_budget=\"auto\"``, :mod:`.budget_control`) adds: the\n"
         "step timing of ``execute_model`` / ``sample_tokens``\n"
         "(:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),\n"
-        "the step-cost profile of ``initialize_kv_cache``\n"
+        "the step-cost profile after the KV cache exists\n"
         "(:meth:`~DDTreeVerifier.profile_step_costs`) and the drafter skipping of\n"
         "``propose_draft_token_ids`` (:meth:`~DDTreeVerifier.skip_drafter`).\n\n",
         "",
@@ -1102,6 +1102,12 @@ RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 # makes the same DDTreeVerifier calls from plugin_runner.DDTreeRunnerMixin).
 RUNNER_EDITS = [
     (
+        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n",
+        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n\n"
+        "        if self.ddtree is not None and not is_profiling:\n"
+        "            self.ddtree.kv_cache_ready()\n",
+    ),
+    (
         "from vllm.v1.spec_decode.dflash import DFlashProposer\n",
         "from vllm.v1.spec_decode.ddtree.proposer import DDTreeProposer\n"
         "from vllm.v1.spec_decode.ddtree.runner import DDTreeVerifier\n"
@@ -1208,12 +1214,6 @@ FEATURE_RUNNER_EDITS[BUDGET] = [
         "        if self.ddtree is not None:\n"
         "            self.ddtree.step_finished()\n"
         "        if not self.use_async_scheduling:\n            return output\n",
-    ),
-    (
-        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n",
-        "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n\n"
-        "        if self.ddtree is not None and not is_profiling:\n"
-        "            self.ddtree.profile_step_costs()\n",
     ),
     (
         "            aux_hidden_states = self.ddtree.before_propose(aux_hidden_states)\n",

@@ -159,6 +159,7 @@ def verify_tree(
     backend: str = "auto",
     validate: bool = True,
     row_index: torch.Tensor | None = None,
+    max_tree_depth: int | None = None,
 ) -> TreeVerifyOutput:
     """Verifies a batch of draft trees against the target's logits.
 
@@ -180,10 +181,18 @@ def verify_tree(
             ``target_logits[row_index[b, i]]``. Every backend reads only the rows
             on each walk, in place (with min-p/top-k/top-p, the kernels read a
             processed float32 copy of the tree rows instead).
+        max_tree_depth: the deepest tree the caller will ever verify (an
+            engine's: its node budget); the Triton kernel then runs one compiled
+            variant for every step instead of one per path-length tile.
 
     Returns:
         The :class:`TreeVerifyOutput`.
     """
+    if max_tree_depth is not None and tree.max_depth > max_tree_depth:
+        raise ValueError(
+            f"a tree of depth {tree.max_depth} is deeper than max_tree_depth "
+            f"{max_tree_depth}"
+        )
     if params is None:
         params = TreeSamplingParams.greedy(tree.num_reqs, target_logits.device)
     _check_inputs(
@@ -213,6 +222,7 @@ def verify_tree(
         threshold_acc,
         backend,
         row_index,
+        max_tree_depth,
     )
 
 

@@ -112,6 +112,7 @@ def tree_verify_dispatch(
     threshold_acc: float,
     backend: str = "auto",
     row_index: torch.Tensor | None = None,
+    max_tree_depth: int | None = None,
 ):
     from vllm_ddtree.verify import METHOD_IDS, TreeVerifyOutput, verify_tree_torch
 
@@ -128,8 +129,13 @@ def tree_verify_dispatch(
             row_index,
         )
     logits, row_index, temperature = kernel_inputs(target_logits, row_index, params)
+    options = {}
     if backend == "triton":
         from vllm_ddtree.ops.triton_verify import tree_verify_triton as kernel
+
+        if max_tree_depth is not None:
+            # One path tile for every step of the engine: one compiled variant.
+            options["block_w"] = _next_power_of_2(max_tree_depth + 1)
     else:
         from vllm_ddtree.ops.cuda_ext import tree_verify_cuda as kernel
 
@@ -148,5 +154,11 @@ def tree_verify_dispatch(
         threshold_single,
         threshold_acc,
         row_index=row_index,
+        **options,
     )
     return TreeVerifyOutput(accepted, committed, num_accepted)
+
+
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 without importing Triton (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()

@@ -115,7 +115,9 @@ def _slot_offset(slot, block_size, stride_block, stride_offset):
     return (slot // block_size) * stride_block + (slot % block_size) * stride_offset
 
 
-@triton.jit
+# num_moves changes every step: not specialised on (a value of 1 or a multiple of
+# 16 would each compile a variant mid-serving).
+@triton.jit(do_not_specialize=["num_moves"])
 def _commit_kv_kernel(
     cache_ptrs,  # [num_layers] int64: data pointer of each layer's cache
     layer0_cache,  # kv_caches[0]: only its element type is used

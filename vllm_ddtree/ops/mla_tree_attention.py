@@ -110,7 +110,9 @@ def _load_latent(
     return kv_c, k_pe
 
 
-@triton.jit
+# Mask strides follow the step's largest tree: not specialised on (one compiled
+# variant for every step).
+@triton.jit(do_not_specialize=["stride_mr", "stride_mi"])
 def _mla_tree_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, L], contiguous
     q_lat_ptr,  # [num_tokens, num_heads, L]

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from vllm_ddtree.ops.triton_verify import _interpreting
 
-__all__ = ["tree_attention_triton"]
+__all__ = ["tree_attention_tiles", "tree_attention_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -337,7 +337,11 @@ def _online_softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, IEEE: tl.con
     return m_new, l_i, acc
 
 
-@triton.jit
+# The mask and depth strides follow the step's largest tree: not specialised on
+# (Triton compiles a variant for a value of 1 and for multiples of 16), so every
+# step runs the engine's one compiled variant; nor the block table's width (a
+# start-up warm-up need not know it).
+@triton.jit(do_not_specialize=["stride_btr", "stride_mr", "stride_mi", "stride_dr"])
 def _tree_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], contiguous
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -526,6 +530,25 @@ def _check_block(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def tree_attention_tiles(
+    max_tree_rows: int, num_heads: int, num_kv_heads: int
+) -> tuple[int, int]:
+    """``(block_q, block_t)`` for trees of up to ``max_tree_rows`` rows.
+
+    ``block_q``: about 64 query rows per program (``block_q`` tree rows times the
+    padded GQA group), at least 16 (the smallest tensor-core tile), at most the
+    padded tree; ``block_t``: the padded tree clamped to [16, 64]. An engine
+    takes them from its largest tree (B + 1 rows) once, so every step runs one
+    compiled variant (the defaults of :func:`tree_attention_triton` follow each
+    call's own largest tree).
+    """
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    rows = triton.next_power_of_2(max(max_tree_rows, 1))
+    block_q = max(min(max(64 // group_pad, 1), rows), max(16 // group_pad, 1))
+    block_t = min(max(rows, 16), 64)
+    return block_q, block_t
+
+
 def tree_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -625,10 +648,8 @@ def tree_attention_triton(
     _check_block("query's head_dim", head_dim, min_tile)
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    if block_q is None:
-        target = max(64 // group_pad, 1)
-        floor = max(16 // group_pad, 1)
-        block_q = max(min(target, triton.next_power_of_2(max(max_rows, 1))), floor)
+    default_q, default_t = tree_attention_tiles(max_rows, num_heads, num_kv_heads)
+    block_q = default_q if block_q is None else block_q
     _check_block("block_q", block_q, 1)
     if block_q * group_pad < min_tile:
         raise ValueError(
@@ -636,8 +657,7 @@ def tree_attention_triton(
             f"{group_pad}"
         )
     block_n = _check_block("block_n", 64 if block_n is None else block_n, min_tile)
-    if block_t is None:
-        block_t = min(max(triton.next_power_of_2(max(max_rows, 1)), 16), 64)
+    block_t = default_t if block_t is None else block_t
     _check_block("block_t", block_t, min_tile)
 
     # Zero-filled: rows of no request (CUDA-graph padding) stay defined.

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from vllm_ddtree.sampling import SAMPLING_EPS
 
-__all__ = ["tree_verify_triton"]
+__all__ = ["tree_verify_triton", "warm_up_tree_verify"]
 _MAX_BLOCK_V = 1024
 
 
@@ -187,7 +187,14 @@ def _rejection_child(
     return found
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised on (Triton
+# compiles a variant for a value of 1 and for multiples of 16): a compile stall
+# mid-serving would be timed as a verify step. Nor is the coins' alignment: they
+# are columns of one [R, N + 2] draw (draw_coins), 16-byte aligned or not by N.
+@triton.jit(
+    do_not_specialize=["num_rows", "max_depth"],
+    do_not_specialize_on_alignment=["node_coins_ptr", "final_coins_ptr"],
+)
 def _tree_verify_kernel(
     logits_ptr,  # [M, V] float32/float16/bfloat16, vocab contiguous
     row_index_ptr,  # [R, N + 1] int64: tree row -> row of logits
@@ -336,6 +343,7 @@ def tree_verify_triton(
     *,
     row_index: torch.Tensor | None = None,
     block_v: int | None = None,
+    block_w: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verifies R draft trees with one Triton program per request.
 
@@ -354,6 +362,9 @@ def tree_verify_triton(
             ``logits[row_index[b, i]]`` (entries are not range-checked here).
         block_v: vocab block per loop step, a power of two (default
             ``min(1024, next_power_of_2(V))``); tests use small ones.
+        block_w: the path tile, a power of two > ``max_depth`` (default: the
+            smallest). An engine passes one for its deepest possible tree, so
+            every step runs one compiled variant.
 
     Returns:
         (accepted_indices [R, L + 1], committed_tokens [R, L + 1], num_accepted [R]),
@@ -417,6 +428,12 @@ def tree_verify_triton(
         raise ValueError(f"vocab_size {vocab} is too large")
 
     width = max_depth + 1
+    if block_w is None:
+        block_w = triton.next_power_of_2(width)
+    if block_w < width or block_w & (block_w - 1):
+        raise ValueError(
+            f"block_w must be a power of two >= max_depth + 1 = {width}, got {block_w}"
+        )
     accepted = torch.empty((num_reqs, width), dtype=torch.int64, device=device)
     committed = torch.empty((num_reqs, width), dtype=torch.int64, device=device)
     num_accepted = torch.empty((num_reqs,), dtype=torch.int64, device=device)
@@ -444,8 +461,49 @@ def tree_verify_triton(
         GREEDY_EPS=SAMPLING_EPS,
         METHOD=int(method),
         BLOCK_V=block_v,
-        BLOCK_W=triton.next_power_of_2(width),
+        BLOCK_W=block_w,
         num_warps=4,
         **dict(_launch_options(device.type)),
     )
     return accepted, committed, num_accepted
+
+
+def warm_up_tree_verify(
+    vocab_size: int,
+    logits_dtypes: tuple[torch.dtype, ...],
+    max_tree_depth: int,
+    threshold_single: float,
+    threshold_acc: float,
+    device: torch.device,
+) -> int:
+    """Launches, once each, the verify kernel variants an engine's steps launch
+    (both methods: a seeded request switches to ``sample_walk``; each logits
+    dtype: raw logits, and the float32 rows of filtered or edited requests),
+    so Triton compiles them at start-up. ``max_tree_depth`` fixes the path tile
+    as the engine's steps do (:func:`vllm_ddtree.verify.verify_tree`'s
+    ``max_tree_depth``). Returns the number of launches."""
+    block_w = triton.next_power_of_2(max_tree_depth + 1)
+    index = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    none = torch.full_like(index, -1)
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    launches = 0
+    for dtype in dict.fromkeys(logits_dtypes):
+        logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+        for method in (0, 1):
+            tree_verify_triton(
+                logits,
+                index,
+                none,
+                none,
+                ones,
+                torch.zeros(1, 1, dtype=torch.float32, device=device),
+                torch.zeros(1, dtype=torch.float32, device=device),
+                1,
+                method,
+                threshold_single,
+                threshold_acc,
+                row_index=index,
+                block_w=block_w,
+            )
+            launches += 1
+    return launches

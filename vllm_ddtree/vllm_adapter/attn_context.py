@@ -147,6 +147,10 @@ class TreeAttentionBatch:
     # layer name -> recurrent-state stash of a hybrid target's GDN layers
     # (``gdn_state.RecurrentStateStash``), committed from the accepted paths.
     recurrent_stash: dict[str, object] = field(default_factory=dict)
+    # The engine's largest tree (B + 1 rows), or None: GPU kernels take their
+    # tiles from it, so every step runs one compiled variant (a step's own
+    # largest tree would compile new ones mid-serving).
+    max_tree_rows: int | None = None
     # Per-metadata plans cached by the attention impl (one forward, many layers).
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -169,6 +173,7 @@ class TreeAttentionBatch:
         prefix_lens: Sequence[int],
         stash_kv: bool = True,
         visibility_buffer: torch.Tensor | None = None,
+        max_tree_rows: int | None = None,
     ) -> TreeAttentionBatch:
         """Builds the batch from a :class:`vllm_ddtree.tree.DraftTree`.
 
@@ -199,7 +204,7 @@ class TreeAttentionBatch:
                     visibility=mask,
                 )
             )
-        return cls(tuple(reqs), stash_kv=stash_kv)
+        return cls(tuple(reqs), stash_kv=stash_kv, max_tree_rows=max_tree_rows)
 
     @property
     def num_tree_rows(self) -> int:

@@ -57,7 +57,10 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.ops.kv_commit import commit_kv_triton
-from vllm_ddtree.ops.tree_attention import tree_attention_triton
+from vllm_ddtree.ops.tree_attention import (
+    tree_attention_tiles,
+    tree_attention_triton,
+)
 from vllm_ddtree.tree import pack_visibility
 from vllm_ddtree.vllm_adapter import attn_context
 
@@ -188,6 +191,7 @@ class TreeRowsPlan:
         # query of a tree request (tree blocks end their requests' rows).
         self.row_offsets = dev(torch.tensor([r.row_offset for r in reqs]))
         self.max_query_len = max(r.row_offset + r.num_rows for r in reqs)
+        self.max_tree_rows = batch.max_tree_rows
         self._qq_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -278,7 +282,7 @@ class DDTreeTritonAttentionImpl(
         # The tree kernel that recomputes tree rows needs a power-of-two head
         # size; a one-pass layer (the trees as TRITON_ATTN's per-sequence bias)
         # takes any head size TRITON_ATTN takes.
-        recomputes = not PER_SEQUENCE_QQ_BIAS or self.sliding_window[0] >= 0
+        recomputes = self.recomputes_tree_rows
         return {
             "alibi": self.alibi_slopes is not None,
             f"kv cache dtype {self.kv_cache_dtype!r}": self.kv_cache_dtype
@@ -288,6 +292,13 @@ class DDTreeTritonAttentionImpl(
             f"head size {head_size} (needs a power of two)": recomputes
             and head_size & (head_size - 1) != 0,
         }
+
+    @property
+    def recomputes_tree_rows(self) -> bool:
+        """Whether this layer's tree rows are recomputed by the tree kernel
+        (stock vLLM 0.32, windowed layers) rather than attended in vLLM's one
+        pass with the trees as a per-sequence query-query bias."""
+        return not PER_SEQUENCE_QQ_BIAS or self.sliding_window[0] >= 0
 
     def _tree_forward(
         self, layer, query, key, value, kv_cache, metadata, output, batch
@@ -315,6 +326,12 @@ class DDTreeTritonAttentionImpl(
         q_all = query.view(query.shape[0], num_heads, head_size)
         out_all = output.view(output.shape[0], num_heads, -1)
         # [M, H, D]: the tree rows, packed request after request.
+        tiles = {}
+        if plan.max_tree_rows is not None:
+            block_q, block_t = tree_attention_tiles(
+                plan.max_tree_rows, num_heads, self.num_kv_heads
+            )
+            tiles = {"block_q": block_q, "block_t": block_t}
         tree_out = tree_attention_triton(
             q_all.index_select(0, plan.rows),
             key_cache,
@@ -330,6 +347,7 @@ class DDTreeTritonAttentionImpl(
             sinks=self.sinks,
             softcap=float(self.logits_soft_cap or 0.0),
             tree_depths=plan.depths,
+            **tiles,
         )
         out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
 
@@ -419,3 +437,89 @@ def register_gpu_tree_attention_backend() -> None:
     Idempotent; see :func:`attn_context.override_attention_backend`.
     """
     attn_context.override_attention_backend("TRITON_ATTN", BACKEND_PATH)
+
+
+def warm_up_tree_kernels(forward_context: dict, max_tree_rows: int) -> int:
+    """Launches, once each, the tree-attention and KV-commit kernel variants a
+    verify step of this engine launches, so that Triton compiles them at
+    start-up instead of in the first steps that need them (1-2 s each on a
+    GPU: the auto budget would time the stall as the cost of drafting).
+
+    Serving launches one variant per layer kind: the kernels' tiles come from
+    the engine's largest tree (``max_tree_rows``, B + 1), and the arguments
+    that change from step to step are not specialised on. Each launch here
+    reads the layer's real cache (a chain of ``max_tree_rows`` rows over block
+    0, into a scratch output) and moves slot 0 onto itself: nothing changes.
+
+    Args:
+        forward_context: layer name -> layer (vLLM's static forward context),
+            the KV caches bound.
+        max_tree_rows: the engine's largest tree, B + 1.
+
+    Returns:
+        The number of launches.
+    """
+    launches = 0
+    seen: set[tuple] = set()
+    commit_groups: dict[tuple, list[torch.Tensor]] = {}
+    plans: dict[torch.device, TreeRowsPlan] = {}
+    for layer in forward_context.values():
+        impl = getattr(layer, "impl", None)
+        kv_cache = getattr(layer, "kv_cache", None)
+        if not isinstance(impl, DDTreeTritonAttentionImpl) or kv_cache is None:
+            continue
+        if kv_cache.numel() == 0:
+            continue
+        key_cache, value_cache, kv = paged_kv_view(kv_cache, impl.head_size)
+        commit_groups.setdefault((kv.dtype, kv.stride(), kv.device), []).append(kv)
+        if not impl.recomputes_tree_rows:
+            continue
+        variant = (
+            kv_cache.dtype,
+            kv_cache.stride(),
+            impl.num_heads,
+            impl.num_kv_heads,
+            impl.head_size,
+            impl.sliding_window,
+            impl.sinks is not None,
+            float(impl.logits_soft_cap or 0.0),
+        )
+        if variant in seen:
+            continue
+        seen.add(variant)
+        device = kv_cache.device
+        if device not in plans:
+            plans[device] = _warm_up_plan(max_tree_rows, device)
+        plan = plans[device]
+        rows = impl.num_heads * impl.head_size
+        query = torch.zeros(max_tree_rows, rows, dtype=kv_cache.dtype, device=device)
+        impl._recompute_tree_rows(
+            query, key_cache, value_cache, torch.empty_like(query), plan
+        )
+        launches += 1
+    for caches in commit_groups.values():
+        slot = torch.zeros(1, dtype=torch.int64, device=caches[0].device)
+        commit_kv_triton(caches, slot, slot)  # a self-move: the kernel skips it
+        launches += 1
+    return launches
+
+
+def _warm_up_plan(max_tree_rows: int, device) -> TreeRowsPlan:
+    """A one-request chain of ``max_tree_rows`` rows at positions 0.. over block
+    0, laid out as a verify step's plan (the same tensor types)."""
+    chain = torch.ones(max_tree_rows, max_tree_rows, dtype=torch.bool).tril()
+    request = attn_context.TreeRequest(
+        req_index=0,
+        row_offset=0,
+        num_rows=max_tree_rows,
+        prefix_len=0,
+        visibility=chain,
+    )
+    batch = attn_context.TreeAttentionBatch(
+        (request,), stash_kv=False, max_tree_rows=max_tree_rows
+    )
+    query_start_loc = torch.tensor([0, max_tree_rows], dtype=torch.int32, device=device)
+    # vLLM's block tables are int32 (the width, not specialised on, covers the
+    # chain at any block size).
+    block_table = torch.zeros(1, max_tree_rows, dtype=torch.int32, device=device)
+    return TreeRowsPlan(batch, query_start_loc, block_table)

@@ -79,7 +79,7 @@ class DDTreeRunnerMixin:
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if not kwargs.get("is_profiling", args[0] if args else False):
-            self.ddtree.profile_step_costs()
+            self.ddtree.kv_cache_ready()
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return self.ddtree.input_fits_in_drafter(common_attn_metadata)

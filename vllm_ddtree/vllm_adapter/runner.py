@@ -26,7 +26,9 @@ DFlash chain step:
    drafter sees exactly the committed sequence as context; the new trees wait
    for ``take_draft_token_ids``.
 
-Besides: ``_update_states`` forgets trees not sent
+Besides: ``initialize_kv_cache`` lets Triton compile every kernel variant a
+verify step launches before the first request (:meth:`~DDTreeVerifier.kv_cache_ready`),
+``_update_states`` forgets trees not sent
 (:meth:`~DDTreeVerifier.drop_requests`), ``_input_fits_in_drafter`` sizes the
 drafter's query as a block (:meth:`~DDTreeVerifier.input_fits_in_drafter`) and
 ``take_draft_token_ids`` sends the trees' structure (and structured requests'
@@ -37,7 +39,7 @@ structure of what it scheduled (:meth:`~DDTreeVerifier.attach_draft_trees`,
 The auto budget (``ddtree_budget="auto"``, :mod:`.budget_control`) adds: the
 step timing of ``execute_model`` / ``sample_tokens``
 (:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),
-the step-cost profile of ``initialize_kv_cache``
+the step-cost profile after the KV cache exists
 (:meth:`~DDTreeVerifier.profile_step_costs`) and the drafter skipping of
 ``propose_draft_token_ids`` (:meth:`~DDTreeVerifier.skip_drafter`).
 
@@ -175,6 +177,45 @@ class DDTreeVerifier:
     # ------------------------------------------------------------------ #
     # Engine life
     # ------------------------------------------------------------------ #
+
+    def kv_cache_ready(self) -> None:
+        """After the KV cache exists, before serving (not in vLLM's profiling
+        run): the GPU kernels' variants compiled, then (auto budget) the step
+        cost profiled, its timings free of compile stalls."""
+        self.warm_up_kernels()
+        # >>> auto budget
+        self.profile_step_costs()
+        # <<< auto budget
+
+    def warm_up_kernels(self) -> int:
+        """Compiles, on CUDA, every Triton kernel variant a verify step of this
+        engine launches (tree attention per layer kind, the KV commit, the
+        verify kernel): serving launches one variant each, its tiles fixed by
+        the node budget, so no step stalls on a compile (1-2 s each: the auto
+        budget would time it as the cost of drafting). Returns the launches
+        made (0 off CUDA, where nothing is compiled at run time)."""
+        runner = self.runner
+        if runner.device.type != "cuda":
+            return 0
+        from vllm_ddtree.ops import resolve_backend
+        from vllm_ddtree.vllm_adapter.gpu_attention import warm_up_tree_kernels
+
+        ddtree = self.config
+        context = runner.compilation_config.static_forward_context
+        launches = warm_up_tree_kernels(context, ddtree.budget + 1)
+        if resolve_backend(ddtree.kernel_backend, runner.device) == "triton":
+            from vllm_ddtree.ops.triton_verify import warm_up_tree_verify
+
+            launches += warm_up_tree_verify(
+                runner.model_config.get_vocab_size(),
+                (runner.model_config.dtype, torch.float32),
+                ddtree.budget,
+                ddtree.threshold_single,
+                ddtree.threshold_acc,
+                runner.device,
+            )
+        logger.info("ddtree: %d kernel variants compiled before serving", launches)
+        return launches
 
     # >>> auto budget
     def profile_step_costs(self) -> None:
@@ -346,6 +387,7 @@ class DDTreeVerifier:
             num_rows=[num_drafts[b] + 1 for b in tree_reqs],
             prefix_lens=[root_positions[b] for b in tree_reqs],
             visibility_buffer=self._visibility,
+            max_tree_rows=self.config.budget + 1,
         )
         self._step = step
         self._linear_positions = linear
@@ -1035,6 +1077,8 @@ def _verify_batch(
         backend=ddtree.kernel_backend,
         validate=False,
         row_index=flat_rows if target_logits is None else None,
+        # No path is longer than the node budget: one compiled kernel variant.
+        max_tree_depth=max(ddtree.budget, tree.max_depth),
     )
     logprobs = _logprobs_tensors(
         runner, metadata, logits, flat_rows, target_logits, out, params, width
