@@ -191,12 +191,99 @@ def time_kv_commit(dev):
     return rows
 
 
+def _num_compiled(kernel) -> int | None:
+    """Variants Triton holds compiled for ``kernel`` (None: not readable here)."""
+    try:
+        return sum(len(entry[0]) for entry in kernel.device_caches.values())
+    except Exception:  # noqa: BLE001 (a Triton internal; the count is a bonus)
+        return None
+
+
+def first_run_compiles(dev, budget=64, vocab=151_936):
+    """What a first GPU run compiles (issue 49): the start-up warm-up's wall
+    time (every verify variant: both methods, bf16 and fp32 logits; tree
+    attention at Qwen3-8B shapes with the engine's tiles), then a varied run
+    of steps (trees of 2..B + 1 rows, 1..8 requests) that must compile
+    nothing more: the slowest call's wall time and Triton's variant counts
+    before and after. Run with a fresh TRITON_CACHE_DIR (gpu_check.sh does)."""
+    import time
+
+    from vllm_ddtree.ops import triton_verify, tree_attention
+    from vllm_ddtree.ops.tree_attention import tree_attention_tiles
+    from vllm_ddtree.ops.triton_verify import warm_up_tree_verify
+
+    def wall(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    max_depth = max(budget, 15)  # the engine's: B, or the drafter's 15 drafts
+    row = {"budget": budget, "vocab": vocab}
+    row["verify_warm_up_s"] = wall(lambda: warm_up_tree_verify(
+        vocab, (torch.bfloat16, torch.float32), max_depth, 1.0, 1.0, dev))
+    num_kv_heads, group, head_dim, block_size, dtype = 8, 4, 128, 16, torch.bfloat16
+    num_heads = num_kv_heads * group
+    block_q, block_t = tree_attention_tiles(budget + 1, num_heads, num_kv_heads)
+    g = torch.Generator(device=dev).manual_seed(0)
+    num_blocks = 512
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=dev, dtype=dtype, generator=g)
+    value_cache = torch.randn(shape, device=dev, dtype=dtype, generator=g)
+
+    def attention_call(num_reqs, tree_rows, prefix_len=1000):
+        tree = build_ddtree(torch.randn(num_reqs, 8, 1000, device=dev, generator=g),
+                            tree_rows - 1, validate=False)
+        tree_lens = (tree.num_nodes + 1).int()
+        qsl = torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev)
+        qsl[1:] = tree_lens.cumsum(0)
+        per_req = -(-(prefix_len + tree_rows) // block_size)
+        table = torch.randint(0, num_blocks, (num_reqs, per_req), device=dev,
+                              generator=g).int()
+        q = torch.randn(num_reqs * tree_rows, num_heads, head_dim, device=dev, dtype=dtype,
+                        generator=g)
+        prefix = torch.full((num_reqs,), prefix_len, dtype=torch.int32, device=dev)
+        return lambda: tree_attention_triton(
+            q, key_cache, value_cache, table, prefix, tree_lens, qsl,
+            tree.visibility_packed, head_dim ** -0.5, block_q=block_q, block_t=block_t)
+
+    row["tree_attention_warm_up_s"] = wall(attention_call(1, budget + 1))
+    verify_kernel = triton_verify._tree_verify_kernel
+    attention_kernel = tree_attention._tree_attention_kernel
+    before = (_num_compiled(verify_kernel), _num_compiled(attention_kernel))
+    slowest = 0.0
+    for num_reqs in (1, 3, 8):
+        for tree_rows in (2, 3, 5, 16, 17, 33, budget + 1):
+            slowest = max(slowest, wall(attention_call(num_reqs, tree_rows)))
+            draft = torch.randn(num_reqs, 15, vocab, device=dev, generator=g)
+            tree = build_ddtree(draft, tree_rows - 1, validate=False)
+            target = torch.randn(num_reqs * tree.num_rows, vocab, device=dev,
+                                 dtype=torch.bfloat16, generator=g)
+            rows = torch.arange(num_reqs * tree.num_rows, device=dev).view(num_reqs, -1)
+            params = TreeSamplingParams.from_lists([0.6] * num_reqs, device=dev)
+            for method in ("rejection", "sample_walk"):
+                slowest = max(slowest, wall(lambda: verify_tree(  # noqa: B023
+                    tree, target, params, method=method, backend="triton",
+                    validate=False, row_index=rows, max_tree_depth=max_depth)))
+    after = (_num_compiled(verify_kernel), _num_compiled(attention_kernel))
+    row.update(steps_slowest_call_s=slowest,
+               verify_variants_before_after=[before[0], after[0]],
+               tree_attention_variants_before_after=[before[1], after[1]],
+               no_compile_after_warm_up=before == after and slowest < 0.2)
+    print(json.dumps(row))
+    return [row]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="kernel_timing.json")
-    parser.add_argument("--only", choices=("all", "verify", "tree_attention", "kv_commit"), default="all")
+    parser.add_argument("--only", choices=("all", "verify", "tree_attention", "kv_commit",
+                                           "first_run"), default="all")
     args = parser.parse_args()
     dev = torch.device("cuda")
+    # First: before any other call compiles the same variants.
+    first_run_rows = first_run_compiles(dev) if args.only in ("all", "first_run") else []
     tree_attention_rows = time_tree_attention(dev) if args.only in ("all", "tree_attention") else []
     kv_commit_rows = time_kv_commit(dev) if args.only in ("all", "kv_commit") else []
     depth, vocab = 15, 151_936
@@ -236,7 +323,8 @@ def main():
             del draft, target
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
-                   "tree_attention": tree_attention_rows, "kv_commit": kv_commit_rows}, f, indent=1)
+                   "tree_attention": tree_attention_rows, "kv_commit": kv_commit_rows,
+                   "first_run": first_run_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

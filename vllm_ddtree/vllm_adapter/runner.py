@@ -118,6 +118,10 @@ class DDTreeVerifier:
             register_gpu_mla_tree_attention_backend()
         self.runner = runner
         self.config: DDTreeConfig = ddtree
+        # No verified path is longer than this (a drafter tree's depth is its
+        # block's draft length, a lookup or grammar path's at most B nodes): the
+        # verify kernel's path tile, fixed per engine (one compiled variant).
+        self.max_tree_depth = max(ddtree.budget, runner.drafter.draft_len)
         # The last drafter pass's trees, until take_draft_token_ids sends them.
         self.proposed = ProposedTrees()
         # Requests whose scheduled drafts came without a tree (verified as a
@@ -209,7 +213,7 @@ class DDTreeVerifier:
             launches += warm_up_tree_verify(
                 runner.model_config.get_vocab_size(),
                 (runner.model_config.dtype, torch.float32),
-                ddtree.budget,
+                self.max_tree_depth,
                 ddtree.threshold_single,
                 ddtree.threshold_acc,
                 runner.device,
@@ -1077,8 +1081,7 @@ def _verify_batch(
         backend=ddtree.kernel_backend,
         validate=False,
         row_index=flat_rows if target_logits is None else None,
-        # No path is longer than the node budget: one compiled kernel variant.
-        max_tree_depth=max(ddtree.budget, tree.max_depth),
+        max_tree_depth=max(verifier.max_tree_depth, tree.max_depth),
     )
     logprobs = _logprobs_tensors(
         runner, metadata, logits, flat_rows, target_logits, out, params, width
