@@ -361,3 +361,40 @@ def test_register_backend_is_idempotent():
     finally:
         if was != BACKEND_PATH:
             AttentionBackendEnum.TRITON_ATTN.clear_override()
+
+
+def test_a_plan_copies_to_the_device_twice(monkeypatch):
+    """TreeRowsPlan's host data go to the device in two copies (one per dtype:
+    pinned and non-blocking on a GPU), not one pageable copy per tensor, and the
+    plan holds what each tensor says."""
+    from vllm_ddtree.tree import pack_visibility
+    from vllm_ddtree.vllm_adapter.gpu_attention import TreeRowsPlan
+
+    sc = Scenario()
+    batch = sc.batch()
+    copies = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
+            copies.append(self.shape)
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    plan = TreeRowsPlan(batch, sc.metadata.query_start_loc, sc.metadata.block_table)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    assert len(copies) == 2, copies
+    assert plan.req_index.tolist() == [1, 2]
+    assert plan.rows.tolist() == sc.tree_rows(1) + sc.tree_rows(2)
+    assert plan.prefix_lens.tolist() == [20, 8]
+    assert plan.tree_lens.tolist() == [6, 3]
+    assert plan.tree_start_loc.tolist() == [0, 6, 9]
+    assert plan.row_offsets.tolist() == [0, 1]
+    masks = torch.zeros(2, 6, 6, dtype=torch.bool)
+    masks[0] = sc.trees[1].visibility[0]
+    masks[1, :3, :3] = sc.trees[2].visibility[0, :3, :3]
+    assert torch.equal(plan.mask_bits.cpu(), pack_visibility(masks))
+    assert plan.depths.tolist() == [[0, 1, 1, 2, 2, 3], [0, 1, 1, 0, 0, 0]]
+    for t in (plan.req_index, plan.prefix_lens, plan.tree_lens, plan.tree_start_loc,
+              plan.row_offsets, plan.mask_bits, plan.depths):
+        assert t.data_ptr() % 16 == 0  # as aligned as a tensor of its own

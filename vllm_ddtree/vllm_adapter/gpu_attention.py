@@ -144,7 +144,7 @@ class TreeRowsPlan:
         block_table: torch.Tensor,
         requests: Sequence[attn_context.TreeRequest] | None = None,
     ) -> None:
-        """Builds the plan (host work and one copy per tensor, once per forward).
+        """Builds the plan (host work and two copies, once per forward).
 
         Args:
             batch: the runner's tree batch (at least one request).
@@ -168,28 +168,47 @@ class TreeRowsPlan:
         # row_offset + i; the offsets are host facts, the starts device ones.
         owner = torch.repeat_interleave(torch.arange(len(reqs)), sizes_host)
         offset = torch.cat([torch.arange(r.num_rows) + r.row_offset for r in reqs])
-
-        def dev(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device=device, non_blocking=True)
-
-        self.req_index = dev(torch.tensor([r.req_index for r in reqs]))  # [n]
+        # [n, T, ceil(T / 32)] int32 ancestor-or-self bits; [n, T] int32 node
+        # depths (ancestors seen, minus one): a node's sequence position is
+        # prefix_len + depth (for sliding windows).
+        mask_bits = pack_visibility(masks)
+        depths = (masks.sum(-1) - 1).clamp(min=0).to(torch.int32)
+        # Two copies per forward (one per dtype), pinned and non-blocking on a
+        # GPU, instead of one pageable (blocking) copy per tensor.
+        (
+            self.req_index,  # [n]
+            owner_dev,  # [M]
+            offset_dev,  # [M]
+            self.prefix_lens,  # [n]
+            self.tree_lens,  # [n]
+            self.tree_start_loc,  # [n + 1] in tree rows
+            # [n] first tree row inside each request's query rows.
+            self.row_offsets,
+        ) = _to_device(
+            [
+                torch.tensor([r.req_index for r in reqs]),
+                owner,
+                offset,
+                torch.tensor([r.prefix_len for r in reqs]),
+                sizes_host,
+                torch.tensor(starts),
+                torch.tensor([r.row_offset for r in reqs]),
+            ],
+            torch.int64,
+            device,
+        )
+        self.mask_bits, self.depths = _to_device(
+            [mask_bits, depths], torch.int32, device
+        )
         # [M] batch row of every tree row, in tree-row order.
-        self.rows = query_start_loc.to(torch.int64).index_select(0, self.req_index)[
-            dev(owner)
-        ] + dev(offset)
-        self.prefix_lens = dev(torch.tensor([r.prefix_len for r in reqs]))  # [n]
-        self.tree_lens = dev(sizes_host)  # [n]
-        self.tree_start_loc = dev(torch.tensor(starts))  # [n + 1] in tree rows
-        # [n, T, ceil(T / 32)] int32 ancestor-or-self bits.
-        self.mask_bits = dev(pack_visibility(masks))
-        # [n, T] int32 node depths (ancestors seen, minus one): a node's sequence
-        # position is prefix_len + depth (for sliding windows).
-        self.depths = dev((masks.sum(-1) - 1).clamp(min=0).to(torch.int32))
+        self.rows = (
+            query_start_loc.to(torch.int64).index_select(0, self.req_index)[owner_dev]
+            + offset_dev
+        )
         self.block_table = block_table.index_select(0, self.req_index)
         self.num_reqs = query_start_loc.shape[0] - 1
-        # [n] first tree row inside each request's query rows; the largest
-        # query of a tree request (tree blocks end their requests' rows).
-        self.row_offsets = dev(torch.tensor([r.row_offset for r in reqs]))
+        # The largest query of a tree request (tree blocks end their requests'
+        # rows).
         self.max_query_len = max(r.row_offset + r.num_rows for r in reqs)
         self.max_tree_rows = batch.max_tree_rows
         self._qq_bias: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -235,6 +254,30 @@ class TreeRowsPlan:
             )
             self._qq_bias = (bias, offsets)
         return self._qq_bias
+
+
+def _to_device(
+    tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """``tensors`` (host, any shapes) on ``device`` as ``dtype``: one copy of
+    their concatenation (pinned and non-blocking on a GPU), split into views.
+
+    Each view starts on a 16-byte boundary, as a tensor of its own would: the
+    Triton kernels are specialised on their pointers' alignment, and views at
+    offsets that follow the step's sizes would compile new variants mid-serving.
+    """
+    align = max(16 // torch.empty((), dtype=dtype).element_size(), 1)
+    spans = [-(-t.numel() // align) * align for t in tensors]
+    flat = torch.zeros(sum(spans), dtype=dtype, pin_memory=device.type == "cuda")
+    start = 0
+    for t, span in zip(tensors, spans, strict=True):
+        flat[start : start + t.numel()] = t.reshape(-1)
+        start += span
+    flat = flat.to(device=device, non_blocking=True)
+    return [
+        part[: t.numel()].view(t.shape)
+        for part, t in zip(flat.split(spans), tensors, strict=True)
+    ]
 
 
 def _plan(batch, metadata) -> TreeRowsPlan:
