@@ -240,6 +240,9 @@ FRESH_NOTE = (" at batch 1; every (temperature, batch) has its own "
 NO_LOOKUP = "-nolookup"  # method-name suffix: ddtree with ddtree_lookup="off"
 # Method-name suffix: ddtree with ddtree_drafter_quantization="none".
 FP_DRAFTER = "-fpdrafter"
+# Method-name suffix: the same spec with --baseline-drafter (a new drafter against
+# the committed one, side by side in one run).
+BASELINE = "@baseline"
 
 
 def load_prompt_sets(args, tokenizer, per_dataset: int | None = None
@@ -601,10 +604,16 @@ def evaluate_goals(rows: list[dict], budgets: list[int], identity: dict[str, boo
     batch0 = min(r["batch"] for r in rows)
     chain = get("dflash", 0.0, batch0) or get("chain", 0.0, batch0)
     if chain and chain["tau"]:
-        add(f"{chain['method']} chain tau, T=0 batch {batch0}", chain["tau"], 2.0)
+        add(f"drafter: {chain['method']} chain tau, T=0 batch {batch0}", chain["tau"], 2.0)
     tree15 = get("ddtree-15", 0.0, batch0)
     if tree15 and tree15["tau"]:
-        add(f"ddtree-15 tau, T=0 batch {batch0}", tree15["tau"], 2.6)
+        add(f"drafter: ddtree-15 tau, T=0 batch {batch0}", tree15["tau"], 2.6)
+    # A new drafter against the baseline one (--baseline-drafter), same run.
+    for temp in sorted({r["temperature"] for r in rows}):
+        new, old = get("ddtree-auto", temp, 1), get("ddtree-auto" + BASELINE, temp, 1)
+        if new and old:
+            add(f"drafter: tok/s ddtree-auto / ddtree-auto with the baseline drafter, "
+                f"T={temp} batch 1", new["tokens_per_s"] / old["tokens_per_s"], 1.0)
     fixed = [t for t in (get(f"ddtree-{b}", 0.0, batch0) for b in budgets) if t and t["tau"]]
     if chain and chain["tau"] and fixed:
         best = max(fixed, key=lambda t: t["tokens_per_s"])
@@ -786,6 +795,10 @@ def main(argv=None) -> dict:
                     help="also run every ddtree method with the torch path of the CPU "
                          f"tree attention (method name + {TORCH_ATTN!r}) instead of the "
                          "compiled op, side by side")
+    ap.add_argument("--baseline-drafter", default=None,
+                    help="also run every drafter method with this drafter (method name + "
+                         f"{BASELINE!r}), side by side: a new drafter against the committed "
+                         "one")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="real_cpu")
@@ -812,6 +825,10 @@ def main(argv=None) -> dict:
     specs = method_specs(args.drafter, args.budgets, args.chain_k)
     if args.methods:
         specs = {k: v for k, v in specs.items() if k in args.methods}
+    if args.baseline_drafter:
+        for name, spec in list(specs.items()):
+            if spec and spec.get("model") == args.drafter:
+                specs[name + BASELINE] = {**spec, "model": args.baseline_drafter}
     if args.torch_tree_builder_too:
         for name, spec in list(specs.items()):
             if spec and spec.get("method") == "ddtree":
