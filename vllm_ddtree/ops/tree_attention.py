@@ -50,6 +50,7 @@ diagonal bit).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -58,7 +59,7 @@ import triton.language as tl
 
 from vllm_ddtree.ops.triton_verify import _interpreting
 
-__all__ = ["tree_attention_tiles", "tree_attention_triton"]
+__all__ = ["tree_attention_launcher", "tree_attention_tiles", "tree_attention_triton"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -530,6 +531,12 @@ def _check_block(name: str, value: int, minimum: int) -> int:
     return value
 
 
+def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2 is a jit callable: ~7 us a call on the host path.
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=64)
 def tree_attention_tiles(
     max_tree_rows: int, num_heads: int, num_kv_heads: int
 ) -> tuple[int, int]:
@@ -542,8 +549,8 @@ def tree_attention_tiles(
     compiled variant (the defaults of :func:`tree_attention_triton` follow each
     call's own largest tree).
     """
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    rows = triton.next_power_of_2(max(max_tree_rows, 1))
+    group_pad = _next_power_of_2(num_heads // num_kv_heads)
+    rows = _next_power_of_2(max(max_tree_rows, 1))
     block_q = max(min(max(64 // group_pad, 1), rows), max(16 // group_pad, 1))
     block_t = min(max(rows, 16), 64)
     return block_q, block_t
@@ -568,6 +575,8 @@ def tree_attention_triton(
     block_n: int | None = None,
     block_t: int | None = None,
     validate: bool = False,
+    out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Tree attention with one Triton program per (request, row block, KV head).
 
@@ -606,31 +615,40 @@ def tree_attention_triton(
             ``next_power_of_2(max_tree_rows)`` clamped to [16, 64]).
         validate: also check lengths, offsets and block ids against the tensors
             (synchronizes with the device; off on the hot path).
+        out: [num_tokens, num_heads, head_dim], unit stride in head_dim: written
+            in place, the tree rows only (every other row untouched). With the
+            whole batch's ``query`` and ``query_start_loc`` pointing at each tree
+            block's first batch row, a layer reads and writes its own rows: no
+            gather, scatter or new tensor.
+        check: check shapes, dtypes and devices (no tensor values); a caller
+            that checked the same shapes already (an earlier layer of the same
+            step) skips it.
 
     Returns:
-        [num_tokens, num_heads, head_dim] in query's dtype; rows of no request are
-        zero, as are rows that see no key.
+        ``out``, or a new [num_tokens, num_heads, head_dim] tensor in query's
+        dtype whose rows of no request are zero, as are rows that see no key.
 
     ``head_dim`` must be a power of two (``tl.arange``). Tiles and head_dim below
     16 are accepted only under ``TRITON_INTERPRET=1``: ``tl.dot`` needs 16 on
     GPUs. float32 inputs use IEEE dots (no TF32 rounding); float16/bfloat16 use
     tensor cores with float32 accumulation, P rounded to V's dtype.
     """
-    _check_inputs(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        prefix_lens,
-        tree_lens,
-        query_start_loc,
-        tree_mask_bits,
-        scale,
-        sliding_window,
-        sinks,
-        softcap,
-        tree_depths,
-    )
+    if check or validate:
+        _check_inputs(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            prefix_lens,
+            tree_lens,
+            query_start_loc,
+            tree_mask_bits,
+            scale,
+            sliding_window,
+            sinks,
+            softcap,
+            tree_depths,
+        )
     if validate:
         _check_values(
             query,
@@ -644,34 +662,158 @@ def tree_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
     num_reqs, max_rows = tree_mask_bits.shape[:2]
-    min_tile = 1 if _interpreting() else 16
-    _check_block("query's head_dim", head_dim, min_tile)
+    interpreting = _interpreting()
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    default_q, default_t = tree_attention_tiles(max_rows, num_heads, num_kv_heads)
-    block_q = default_q if block_q is None else block_q
-    _check_block("block_q", block_q, 1)
-    if block_q * group_pad < min_tile:
-        raise ValueError(
-            f"block_q * next_power_of_2(G) must be >= {min_tile}, got {block_q} * "
-            f"{group_pad}"
-        )
-    block_n = _check_block("block_n", 64 if block_n is None else block_n, min_tile)
-    block_t = default_t if block_t is None else block_t
-    _check_block("block_t", block_t, min_tile)
+    group_pad = _next_power_of_2(group)
+    if block_q is None or block_t is None:
+        default_q, default_t = tree_attention_tiles(max_rows, num_heads, num_kv_heads)
+        block_q = default_q if block_q is None else block_q
+        block_t = default_t if block_t is None else block_t
+    block_n = 64 if block_n is None else block_n
+    if check:
+        min_tile = 1 if interpreting else 16
+        _check_block("query's head_dim", head_dim, min_tile)
+        _check_block("block_q", block_q, 1)
+        if block_q * group_pad < min_tile:
+            raise ValueError(
+                f"block_q * next_power_of_2(G) must be >= {min_tile}, got {block_q} * "
+                f"{group_pad}"
+            )
+        _check_block("block_n", block_n, min_tile)
+        _check_block("block_t", block_t, min_tile)
 
-    # Zero-filled: rows of no request (CUDA-graph padding) stay defined.
-    out = torch.zeros(
-        (num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device
-    )
+    if out is None:
+        # Zero-filled: rows of no request (CUDA-graph padding) stay defined.
+        out = torch.zeros(
+            (num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device
+        )
+    elif check and (
+        out.shape != query.shape or out.stride(-1) != 1 or out.device != query.device
+    ):
+        raise ValueError(
+            f"out must be {list(query.shape)} with unit stride in head_dim on "
+            f"{query.device}, got {list(out.shape)}, strides {out.stride()} on "
+            f"{out.device}"
+        )
     if num_reqs == 0 or max_rows == 0 or num_tokens == 0:
         return out
+    launch = _launcher(
+        query, key_cache, value_cache, out, block_table, prefix_lens, tree_lens,
+        query_start_loc, tree_mask_bits, scale, sliding_window, sinks is not None,
+        softcap, tree_depths, (block_q, block_n, block_t), interpreting,
+    )
+    launch(query, key_cache, value_cache, out, sinks)
+    return out
+
+
+def tree_attention_launcher(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask_bits: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int = 0,
+    use_sinks: bool = False,
+    softcap: float = 0.0,
+    tree_depths: torch.Tensor | None = None,
+    block_q: int,
+    block_t: int,
+    block_n: int = 64,
+):
+    """:func:`tree_attention_triton` for every layer of one kind in one step:
+    the tree layout, tiles and argument list are built once, and each layer
+    then launches with its own ``(query, key_cache, value_cache, out, sinks)``
+    of the shapes, strides and dtypes given here (unchecked: the caller checked
+    them, e.g. with one :func:`tree_attention_triton` call). ``out`` is written
+    in place, the tree rows only."""
+    return _launcher(
+        query, key_cache, value_cache, out, block_table, prefix_lens, tree_lens,
+        query_start_loc, tree_mask_bits, scale, sliding_window, use_sinks, softcap,
+        tree_depths, (block_q, block_n, block_t), _interpreting(),
+    )
+
+
+def _launcher(
+    query, key_cache, value_cache, out, block_table, prefix_lens, tree_lens,
+    query_start_loc, tree_mask_bits, scale, sliding_window, use_sinks, softcap,
+    tree_depths, tiles, interpreting,
+):
+    block_q, block_n, block_t = tiles
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    num_reqs, max_rows = tree_mask_bits.shape[:2]
+    group = num_heads // num_kv_heads
     window = max(int(sliding_window), 0)
     is_fp32 = query.dtype == torch.float32
     # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw
     # uint16 bits; upcast them there (the rounding of P to bfloat16 is kept).
-    upcast = _interpreting() and query.dtype == torch.bfloat16
-    grid = (num_reqs, triton.cdiv(max_rows, block_q), num_kv_heads)
+    upcast = interpreting and query.dtype == torch.bfloat16
+    grid = (num_reqs, -(-max_rows // block_q), num_kv_heads)
+    layout = (
+        block_table,
+        # [num_reqs], [num_reqs], [num_reqs + 1]: read with unit stride.
+        prefix_lens.contiguous(),
+        tree_lens.contiguous(),
+        query_start_loc.contiguous(),
+        tree_mask_bits,
+        # Unused pointers get any tensor of the device (never read).
+        tree_depths if window > 0 else tree_lens,
+    )
+    numbers = (
+        float(scale),
+        float(softcap),
+        *query.stride(),
+        out.stride(0),
+        out.stride(1),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_table.stride(),
+        *tree_mask_bits.stride(),
+        tree_depths.stride(0) if window > 0 else 0,
+    )
+    # The numbers, then the constexprs in the kernel's order (positional: a
+    # layer's launch builds no keyword dict).
+    tail = (
+        *numbers,
+        window,  # SLIDING_WINDOW
+        use_sinks,  # USE_SINKS
+        softcap > 0,  # USE_SOFTCAP
+        group,  # GROUP
+        _next_power_of_2(group),  # GROUP_PAD
+        block_q,  # BLOCK_Q
+        block_n,  # BLOCK_N
+        block_t,  # BLOCK_T
+        head_dim,  # HEAD_DIM
+        block_size,  # BLOCK_SIZE
+        upcast,  # UPCAST
+        is_fp32 or upcast,  # IEEE
+    )
+
+    def launch(query, key_cache, value_cache, out, sinks=None) -> None:
+        _tree_attention_kernel[grid](
+            out,
+            query,
+            key_cache,
+            value_cache,
+            *layout,
+            query if sinks is None else sinks,
+            *tail,
+            num_warps=4,
+        )
+
+    return launch
+    window = max(int(sliding_window), 0)
+    is_fp32 = query.dtype == torch.float32
+    # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw
+    # uint16 bits; upcast them there (the rounding of P to bfloat16 is kept).
+    upcast = interpreting and query.dtype == torch.bfloat16
+    grid = (num_reqs, -(-max_rows // block_q), num_kv_heads)
     _tree_attention_kernel[grid](
         out,
         query,

@@ -58,6 +58,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_ddtree.ops.kv_commit import commit_kv_triton
 from vllm_ddtree.ops.tree_attention import (
+    tree_attention_launcher,
     tree_attention_tiles,
     tree_attention_triton,
 )
@@ -205,8 +206,22 @@ class TreeRowsPlan:
             query_start_loc.to(torch.int64).index_select(0, self.req_index)[owner_dev]
             + offset_dev
         )
+        # [n + 1] each tree block's first batch row, then the end of the last
+        # tree request's rows: the tree kernel reads and writes a layer's own
+        # query and output rows with it (no gather or scatter per layer).
+        last = reqs[-1].req_index
+        self.batch_query_start_loc = torch.cat(
+            [
+                query_start_loc.to(torch.int64).index_select(0, self.req_index)
+                + self.row_offsets,
+                query_start_loc[last + 1 : last + 2].to(torch.int64),
+            ]
+        )
         self.block_table = block_table.index_select(0, self.req_index)
         self.num_reqs = query_start_loc.shape[0] - 1
+        # Layer kind -> the tree kernel's launch for this forward (checked and
+        # built by the kind's first layer; the next ones only launch).
+        self.launchers: dict[tuple, object] = {}
         # The largest query of a tree request (tree blocks end their requests'
         # rows).
         self.max_query_len = max(r.row_offset + r.num_rows for r in reqs)
@@ -364,35 +379,78 @@ class DDTreeTritonAttentionImpl(
 
     def _recompute_tree_rows(self, query, key_cache, value_cache, output, plan):
         """The tree rows again, ancestor-only, over the paged cache (the stock
-        call attended them causally)."""
+        call attended them causally), read from and written to the layer's own
+        query and output rows.
+
+        Layers of one kind (heads, window, sinks, softcap, scale, cache layout)
+        share the step's checks, tiles and argument list: the kind's first
+        layer builds them, every other one only launches (a few microseconds of
+        host time per layer)."""
+        static = self.__dict__.get("_tree_kind")
+        if static is None:
+            static = self._tree_kind = (
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_size,
+                self.sliding_window,
+                self.sinks is None,
+                self.logits_soft_cap,
+                self.scale,
+            )
+        kind = (static, query.dtype, output.dtype, key_cache.stride())
+        launch = plan.launchers.get(kind)
+        if launch is not None:
+            # The kernel reads pointers; the strides are the kind's first layer's.
+            launch(query, key_cache, value_cache, output, self.sinks)
+            return
         num_heads, head_size = self.num_heads, self.head_size
         q_all = query.view(query.shape[0], num_heads, head_size)
         out_all = output.view(output.shape[0], num_heads, -1)
-        # [M, H, D]: the tree rows, packed request after request.
-        tiles = {}
-        if plan.max_tree_rows is not None:
-            block_q, block_t = tree_attention_tiles(
-                plan.max_tree_rows, num_heads, self.num_kv_heads
+        rows = plan.max_tree_rows or plan.mask_bits.shape[1]
+        block_q, block_t = tree_attention_tiles(rows, num_heads, self.num_kv_heads)
+        # TRITON_ATTN keeps a decoder window w as (w - 1, 0), none as (-1, -1).
+        window = self.sliding_window[0] + 1
+        softcap = float(self.logits_soft_cap or 0.0)
+        common = dict(
+            sliding_window=window,
+            softcap=softcap,
+            tree_depths=plan.depths,
+            block_q=block_q,
+            block_t=block_t,
+        )
+        if out_all.dtype != q_all.dtype:  # computed apart, then cast
+            tree_out = tree_attention_triton(
+                q_all.index_select(0, plan.rows),
+                key_cache,
+                value_cache,
+                plan.block_table,
+                plan.prefix_lens,
+                plan.tree_lens,
+                plan.tree_start_loc,
+                plan.mask_bits,
+                self.scale,
+                sinks=self.sinks,
+                **common,
             )
-            tiles = {"block_q": block_q, "block_t": block_t}
-        tree_out = tree_attention_triton(
-            q_all.index_select(0, plan.rows),
-            key_cache,
-            value_cache,
+            out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
+            return
+        layout = (
             plan.block_table,
             plan.prefix_lens,
             plan.tree_lens,
-            plan.tree_start_loc,
+            plan.batch_query_start_loc,
             plan.mask_bits,
             self.scale,
-            # TRITON_ATTN keeps a decoder window w as (w - 1, 0), none as (-1, -1).
-            sliding_window=self.sliding_window[0] + 1,
-            sinks=self.sinks,
-            softcap=float(self.logits_soft_cap or 0.0),
-            tree_depths=plan.depths,
-            **tiles,
         )
-        out_all.index_copy_(0, plan.rows, tree_out.to(out_all.dtype))
+        # Checked once per step and kind: shapes, dtypes, devices.
+        tree_attention_triton(
+            q_all, key_cache, value_cache, *layout, sinks=self.sinks, out=out_all,
+            **common,
+        )
+        plan.launchers[kind] = tree_attention_launcher(
+            q_all, key_cache, value_cache, out_all, *layout,
+            use_sinks=self.sinks is not None, **common,
+        )
 
 
 class DDTreeTritonAttentionMetadataBuilder(
