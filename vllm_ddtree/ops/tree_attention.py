@@ -808,48 +808,4 @@ def _launcher(
         )
 
     return launch
-    window = max(int(sliding_window), 0)
-    is_fp32 = query.dtype == torch.float32
-    # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw
-    # uint16 bits; upcast them there (the rounding of P to bfloat16 is kept).
-    upcast = interpreting and query.dtype == torch.bfloat16
-    grid = (num_reqs, -(-max_rows // block_q), num_kv_heads)
-    _tree_attention_kernel[grid](
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        # [num_reqs], [num_reqs], [num_reqs + 1]: read with unit stride.
-        prefix_lens.contiguous(),
-        tree_lens.contiguous(),
-        query_start_loc.contiguous(),
-        tree_mask_bits,
-        # Unused pointers get any tensor of the device (never read).
-        tree_depths if window > 0 else tree_lens,
-        sinks if sinks is not None else query,
-        float(scale),
-        float(softcap),
-        *query.stride(),
-        out.stride(0),
-        out.stride(1),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *block_table.stride(),
-        *tree_mask_bits.stride(),
-        tree_depths.stride(0) if window > 0 else 0,
-        SLIDING_WINDOW=window,
-        USE_SINKS=sinks is not None,
-        USE_SOFTCAP=softcap > 0,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        BLOCK_T=block_t,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        UPCAST=upcast,
-        IEEE=is_fp32 or upcast,
-        num_warps=4,
-    )
-    return out
+
