@@ -1102,6 +1102,12 @@ RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 # makes the same DDTreeVerifier calls from plugin_runner.DDTreeRunnerMixin).
 RUNNER_EDITS = [
     (
+        "                output = self._dummy_sampler_run(last_hidden_states)\n",
+        "                output = self._dummy_sampler_run(last_hidden_states)\n"
+        "                if self.ddtree is not None:\n"
+        "                    self.ddtree.profile_verify_memory()\n",
+    ),
+    (
         "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n",
         "            kv_transfer_group.set_host_xfer_buffer_ops(copy_kv_blocks)\n\n"
         "        if self.ddtree is not None and not is_profiling:\n"

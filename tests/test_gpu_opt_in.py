@@ -301,3 +301,33 @@ def _check_the_lines_said(caplog):
     caplog.clear()
     gpu_compilation_settings({"cudagraph_mode": "PIECEWISE"})
     assert "cudagraph_mode" not in caplog.text
+
+
+def test_the_profile_run_counts_a_verify_steps_logits():
+    """vLLM's profiling run samples one row per request; a verify step holds the
+    target's logits of R (B + 1) rows (at most the step's tokens), a float32 copy,
+    and the drafter's logits over its own vocabulary: what the profile allocates."""
+    from vllm_ddtree.vllm_adapter.runner import DDTreeVerifier
+
+    def runner(max_tokens, d2t):
+        return SimpleNamespace(
+            max_num_tokens=max_tokens, max_num_reqs=8, device=torch.device("cpu"),
+            model_config=SimpleNamespace(get_vocab_size=lambda: 151_936,
+                                         dtype=torch.bfloat16),
+            drafter=SimpleNamespace(draft_len=15,
+                                    model=SimpleNamespace(draft_id_to_target_id=d2t)))
+
+    verifier = SimpleNamespace(runner=runner(8192, torch.zeros(32_768)),
+                               config=SimpleNamespace(budget=64))
+    assert DDTreeVerifier.verify_peak_tensors(verifier) == [
+        ((8 * 65, 151_936), torch.bfloat16),
+        ((8 * 65, 151_936), torch.float32),
+        ((8 * 15, 32_768), torch.float32),
+    ]
+    verifier.runner = runner(256, None)  # the step's tokens cap the rows
+    assert DDTreeVerifier.verify_peak_tensors(verifier) == [
+        ((256, 151_936), torch.bfloat16),
+        ((256, 151_936), torch.float32),
+        ((8 * 15, 151_936), torch.float32),
+    ]
+    DDTreeVerifier.profile_verify_memory(verifier)  # nothing to profile on CPU

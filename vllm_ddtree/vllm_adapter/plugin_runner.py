@@ -81,6 +81,11 @@ class DDTreeRunnerMixin:
         if not kwargs.get("is_profiling", args[0] if args else False):
             self.ddtree.kv_cache_ready()
 
+    def _dummy_sampler_run(self, hidden_states, *args, **kwargs):
+        out = super()._dummy_sampler_run(hidden_states, *args, **kwargs)
+        self.ddtree.profile_verify_memory()
+        return out
+
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return self.ddtree.input_fits_in_drafter(common_attn_metadata)
 

@@ -221,6 +221,40 @@ class DDTreeVerifier:
         logger.info("ddtree: %d kernel variants compiled before serving", launches)
         return launches
 
+    def verify_peak_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """``(shape, dtype)`` of the largest tensors a verify step makes beyond
+        what vLLM's profiling run samples (one row per request, a one-draft
+        chain): the target's logits of every tree row (R (B + 1) rows, at most
+        the step's tokens), their float32 copy (requests that filter or edit
+        logits), and the drafter's logits for its positions of every request
+        (float32 at most)."""
+        runner = self.runner
+        rows = min(runner.max_num_tokens, runner.max_num_reqs * (self.config.budget + 1))
+        vocab = runner.model_config.get_vocab_size()
+        d2t = getattr(getattr(runner.drafter, "model", None), "draft_id_to_target_id", None)
+        draft_vocab = vocab if d2t is None else int(d2t.shape[0])
+        draft_rows = runner.max_num_reqs * runner.drafter.draft_len
+        return [
+            ((rows, vocab), runner.model_config.dtype),
+            ((rows, vocab), torch.float32),
+            ((draft_rows, draft_vocab), torch.float32),
+        ]
+
+    def profile_verify_memory(self) -> None:
+        """Allocates, on CUDA, what :meth:`verify_peak_tensors` lists, inside
+        vLLM's profiling run (after its dummy sampler run): the profiled peak then
+        counts a verify step's logits, and the KV cache is sized around them
+        (~10 GB at ~126 requests with B = 64 on a 151,936-token vocabulary would
+        otherwise be found at the first large batch, as an out-of-memory)."""
+        runner = self.runner
+        if runner.device.type != "cuda":
+            return
+        held = [
+            torch.empty(shape, dtype=dtype, device=runner.device)
+            for shape, dtype in self.verify_peak_tensors()
+        ]
+        del held
+
     # >>> auto budget
     def profile_step_costs(self) -> None:
         """The auto budget's step-cost model, fitted on this machine (after the
