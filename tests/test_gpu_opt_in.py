@@ -314,11 +314,10 @@ def test_the_profile_run_counts_a_verify_steps_logits():
             max_num_tokens=max_tokens, max_num_reqs=8, device=torch.device("cpu"),
             model_config=SimpleNamespace(get_vocab_size=lambda: 151_936,
                                          dtype=torch.bfloat16),
-            drafter=SimpleNamespace(draft_len=15,
-                                    model=SimpleNamespace(draft_id_to_target_id=d2t)))
+            drafter=SimpleNamespace(model=SimpleNamespace(draft_id_to_target_id=d2t)))
 
     verifier = SimpleNamespace(runner=runner(8192, torch.zeros(32_768)),
-                               config=SimpleNamespace(budget=64))
+                               config=SimpleNamespace(budget=64, draft_len=15))
     assert DDTreeVerifier.verify_peak_tensors(verifier) == [
         ((8 * 65, 151_936), torch.bfloat16),
         ((8 * 65, 151_936), torch.float32),

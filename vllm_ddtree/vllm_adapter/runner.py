@@ -121,7 +121,7 @@ class DDTreeVerifier:
         # No verified path is longer than this (a drafter tree's depth is its
         # block's draft length, a lookup or grammar path's at most B nodes): the
         # verify kernel's path tile, fixed per engine (one compiled variant).
-        self.max_tree_depth = max(ddtree.budget, runner.drafter.draft_len)
+        self.max_tree_depth = max(ddtree.budget, ddtree.draft_len)
         # The last drafter pass's trees, until take_draft_token_ids sends them.
         self.proposed = ProposedTrees()
         # Requests whose scheduled drafts came without a tree (verified as a
@@ -233,7 +233,7 @@ class DDTreeVerifier:
         vocab = runner.model_config.get_vocab_size()
         d2t = getattr(getattr(runner.drafter, "model", None), "draft_id_to_target_id", None)
         draft_vocab = vocab if d2t is None else int(d2t.shape[0])
-        draft_rows = runner.max_num_reqs * runner.drafter.draft_len
+        draft_rows = runner.max_num_reqs * min(self.config.draft_len, self.config.budget)
         return [
             ((rows, vocab), runner.model_config.dtype),
             ((rows, vocab), torch.float32),
