@@ -10,7 +10,7 @@
 #                                   # data, the sweep, train at the sweep's best LR
 #                                   # (highest final val_tau_chain), export to
 #                                   # WORKDIR/export; every part resumes from disk
-#   bash scripts/drafter_campaign.sh session ROUND [LR]  # one session-sized round:
+#   bash scripts/drafter_campaign.sh session ROUND [LR [TRAIN OPTIONS]]  # one round:
 #                                   # features of the ROUND-th block of SESSION_SEQS
 #                                   # sequences (default 2500), SESSION_STEPS steps
 #                                   # (default 1500, WSD decay over the last third) from
@@ -83,6 +83,8 @@ generations.jsonl; do ln -sf '$WORKDIR'/\$f '$d'/\$f; done; "
     # from the committed drafter; its export is committed when vLLM accepts it more.
     round="${2:?session needs a round number}"
     lr="${3:-3e-4}"
+    shift $(( $# < 3 ? $# : 3 ))
+    extra="$*"  # more training options, e.g. --autocast none
     if p=$(pid); then echo "already running (pid $p)"; exit 0; fi
     d="$WORKDIR/round-$round"
     seqs="${SESSION_SEQS:-2500}"
@@ -91,9 +93,9 @@ generations.jsonl; do ln -sf '$WORKDIR'/\$f '$d'/\$f; done; "
     py=".venv/bin/python -m vllm_ddtree.drafter"
     runs="set -e; $py data --workdir '$d' --max-sequences $seqs --data-round $round; "
     runs+="$py train --workdir '$d' --init-from '$init' --lr $lr --steps $steps \
---decay-steps $((steps / 3)) --eval-every 100; "
+--decay-steps $((steps / 3)) --eval-every 100 $extra; "
     runs+="$py export --workdir '$d' --init-from '$init' --lr $lr --steps $steps \
---decay-steps $((steps / 3)) --export-dir '$d/export'; "
+--decay-steps $((steps / 3)) --export-dir '$d/export' $extra; "
     runs+=".venv/bin/python -m vllm_ddtree.drafter.replay --checkpoint '$d/export' \
 --out '$d/replay'; "
     VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-3}" setsid nohup nice -n 19 \

@@ -414,7 +414,9 @@ def train(workdir: Path, target_dir: str, config: TrainConfig) -> None:
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
     elif config.init_from:
-        model = load_init(Path(config.init_from), config, head.config)
+        # Into the model the optimizer was given (a new object would train nothing).
+        model.load_state_dict(load_init(Path(config.init_from), config, head.config)
+                              .state_dict())
         step = 0
         rng = np.random.default_rng(config.seed)
     else:
