@@ -147,7 +147,7 @@ FEATURE_REWRITES[BUDGET] = [
         "step timing of ``execute_model`` / ``sample_tokens``\n"
         "(:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),\n"
         "the step-cost profile after the KV cache exists\n"
-        "(:meth:`~DDTreeVerifier.profile_step_costs`) and the drafter skipping of\n"
+        "(:meth:`~DDTreeVerifier._profile_step_costs`) and the drafter skipping of\n"
         "``propose_draft_token_ids`` (:meth:`~DDTreeVerifier.skip_drafter`).\n\n",
         "",
     ),

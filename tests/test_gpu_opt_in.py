@@ -318,13 +318,13 @@ def test_the_profile_run_counts_a_verify_steps_logits():
 
     verifier = SimpleNamespace(runner=runner(8192, torch.zeros(32_768)),
                                config=SimpleNamespace(budget=64, draft_len=15))
-    assert DDTreeVerifier.verify_peak_tensors(verifier) == [
+    assert DDTreeVerifier._verify_peak_tensors(verifier) == [
         ((8 * 65, 151_936), torch.bfloat16),
         ((8 * 65, 151_936), torch.float32),
         ((8 * 15, 32_768), torch.float32),
     ]
     verifier.runner = runner(256, None)  # the step's tokens cap the rows
-    assert DDTreeVerifier.verify_peak_tensors(verifier) == [
+    assert DDTreeVerifier._verify_peak_tensors(verifier) == [
         ((256, 151_936), torch.bfloat16),
         ((256, 151_936), torch.float32),
         ((8 * 15, 151_936), torch.float32),

@@ -40,7 +40,7 @@ The auto budget (``ddtree_budget="auto"``, :mod:`.budget_control`) adds: the
 step timing of ``execute_model`` / ``sample_tokens``
 (:meth:`~DDTreeVerifier.step_started`, :meth:`~DDTreeVerifier.step_finished`),
 the step-cost profile after the KV cache exists
-(:meth:`~DDTreeVerifier.profile_step_costs`) and the drafter skipping of
+(:meth:`~DDTreeVerifier._profile_step_costs`) and the drafter skipping of
 ``propose_draft_token_ids`` (:meth:`~DDTreeVerifier.skip_drafter`).
 
 In vLLM with ddtree in-tree each of these is an explicit ``if self.ddtree is not
@@ -186,12 +186,12 @@ class DDTreeVerifier:
         """After the KV cache exists, before serving (not in vLLM's profiling
         run): the GPU kernels' variants compiled, then (auto budget) the step
         cost profiled, its timings free of compile stalls."""
-        self.warm_up_kernels()
+        self._warm_up_kernels()
         # >>> auto budget
-        self.profile_step_costs()
+        self._profile_step_costs()
         # <<< auto budget
 
-    def warm_up_kernels(self) -> int:
+    def _warm_up_kernels(self) -> int:
         """Compiles, on CUDA, every Triton kernel variant a verify step of this
         engine launches (tree attention per layer kind, the KV commit, the
         verify kernel): serving launches one variant each, its tiles fixed by
@@ -221,7 +221,7 @@ class DDTreeVerifier:
         logger.info("ddtree: %d kernel variants compiled before serving", launches)
         return launches
 
-    def verify_peak_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def _verify_peak_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """``(shape, dtype)`` of the largest tensors a verify step makes beyond
         what vLLM's profiling run samples (one row per request, a one-draft
         chain): the target's logits of every tree row (R (B + 1) rows, at most
@@ -241,7 +241,7 @@ class DDTreeVerifier:
         ]
 
     def profile_verify_memory(self) -> None:
-        """Allocates, on CUDA, what :meth:`verify_peak_tensors` lists, inside
+        """Allocates, on CUDA, what :meth:`_verify_peak_tensors` lists, inside
         vLLM's profiling run (after its dummy sampler run): the profiled peak then
         counts a verify step's logits, and the KV cache is sized around them
         (~10 GB at ~126 requests with B = 64 on a 151,936-token vocabulary would
@@ -251,12 +251,12 @@ class DDTreeVerifier:
             return
         held = [
             torch.empty(shape, dtype=dtype, device=runner.device)
-            for shape, dtype in self.verify_peak_tensors()
+            for shape, dtype in self._verify_peak_tensors()
         ]
         del held
 
     # >>> auto budget
-    def profile_step_costs(self) -> None:
+    def _profile_step_costs(self) -> None:
         """The auto budget's step-cost model, fitted on this machine (after the
         KV cache exists, before serving)."""
         if self.budget is not None:
