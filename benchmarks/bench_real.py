@@ -477,6 +477,8 @@ def aggregate(results: list[dict]) -> list[dict]:
 def greedy_identity(results: list[dict]) -> dict[str, bool]:
     ref = {(r["batch"], r["dataset"]): r["outputs"] for r in results
            if r["method"] == "nospec" and r["temperature"] == 0}
+    if not ref:  # no reference run (nospec not among the methods): nothing to say
+        return {}
     same: dict[str, bool] = {}
     for r in results:
         if r["method"] == "nospec" or r["temperature"] != 0:
