@@ -576,7 +576,6 @@ def tree_attention_triton(
     block_t: int | None = None,
     validate: bool = False,
     out: torch.Tensor | None = None,
-    check: bool = True,
 ) -> torch.Tensor:
     """Tree attention with one Triton program per (request, row block, KV head).
 
@@ -620,9 +619,6 @@ def tree_attention_triton(
             whole batch's ``query`` and ``query_start_loc`` pointing at each tree
             block's first batch row, a layer reads and writes its own rows: no
             gather, scatter or new tensor.
-        check: check shapes, dtypes and devices (no tensor values); a caller
-            that checked the same shapes already (an earlier layer of the same
-            step) skips it.
 
     Returns:
         ``out``, or a new [num_tokens, num_heads, head_dim] tensor in query's
@@ -633,22 +629,21 @@ def tree_attention_triton(
     GPUs. float32 inputs use IEEE dots (no TF32 rounding); float16/bfloat16 use
     tensor cores with float32 accumulation, P rounded to V's dtype.
     """
-    if check or validate:
-        _check_inputs(
-            query,
-            key_cache,
-            value_cache,
-            block_table,
-            prefix_lens,
-            tree_lens,
-            query_start_loc,
-            tree_mask_bits,
-            scale,
-            sliding_window,
-            sinks,
-            softcap,
-            tree_depths,
-        )
+    _check_inputs(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        prefix_lens,
+        tree_lens,
+        query_start_loc,
+        tree_mask_bits,
+        scale,
+        sliding_window,
+        sinks,
+        softcap,
+        tree_depths,
+    )
     if validate:
         _check_values(
             query,
@@ -670,24 +665,23 @@ def tree_attention_triton(
         block_q = default_q if block_q is None else block_q
         block_t = default_t if block_t is None else block_t
     block_n = 64 if block_n is None else block_n
-    if check:
-        min_tile = 1 if interpreting else 16
-        _check_block("query's head_dim", head_dim, min_tile)
-        _check_block("block_q", block_q, 1)
-        if block_q * group_pad < min_tile:
-            raise ValueError(
-                f"block_q * next_power_of_2(G) must be >= {min_tile}, got {block_q} * "
-                f"{group_pad}"
-            )
-        _check_block("block_n", block_n, min_tile)
-        _check_block("block_t", block_t, min_tile)
+    min_tile = 1 if interpreting else 16
+    _check_block("query's head_dim", head_dim, min_tile)
+    _check_block("block_q", block_q, 1)
+    if block_q * group_pad < min_tile:
+        raise ValueError(
+            f"block_q * next_power_of_2(G) must be >= {min_tile}, got {block_q} * "
+            f"{group_pad}"
+        )
+    _check_block("block_n", block_n, min_tile)
+    _check_block("block_t", block_t, min_tile)
 
     if out is None:
         # Zero-filled: rows of no request (CUDA-graph padding) stay defined.
         out = torch.zeros(
             (num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device
         )
-    elif check and (
+    elif (
         out.shape != query.shape or out.stride(-1) != 1 or out.device != query.device
     ):
         raise ValueError(
