@@ -1696,7 +1696,8 @@ expected committed tokens per second:
   tree, against a step cost c(R + n)); `AcceptanceCalibration` (draft path
   probability -> acceptance, per depth, from what the target accepted);
   `StepCostModel` (a piecewise-linear step time by verified rows) and
-  `NodeCostModel` (per draft node, for recurrent hybrid layers).
+  `NodeCostModel` (per draft node and per branch row, fitted jointly with
+  the per-tree cost).
 - budget_control.py: `BudgetController` fits those models on this machine (a
   profile of vLLM's dummy forward at engine start, then every step), trims the
   drafted trees, and decides whether to draft at all from running means over

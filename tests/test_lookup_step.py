@@ -44,7 +44,7 @@ def lookup_only(lookup, req_ids, rows, num_nodes=None):
     row (None: whole), as verified (their nodes remembered)."""
     unions = lookup.lookup_only_unions(rows)
     if num_nodes is None:
-        num_nodes = [0 if u is None else u[0].num_nodes for u in unions]
+        num_nodes = [0 if u is None else u.num_nodes for u in unions]
     trees = lookup.lookup_only_trees(req_ids, unions, num_nodes)
     if trees is None:
         return None
@@ -118,11 +118,43 @@ def test_a_verified_step_teaches_the_calibration():
     assert lookup.num_reached == 4  # 31, 41 (root's children), 32, 33
     assert lookup.num_accepted == 2
     assert lookup.accepted_by_source == {"drafter": 0, "lookup": 2, "both": 0}
+    # The calibration reads the committed tokens when the next step starts.
     cal = lookup.calibration
+    assert cal.reached.sum() == 0
+    lookup.propose(batch(["a"]), [[31, 32, 99]])
     assert cal.reached.sum() == 4 and cal.accepted.sum() == 2
     # Depth 3's bucket saw one rejection: its probability fell below the raw 0.5.
     assert float(cal.probability([3], [0.5], [False])[0]) < 0.5
     assert float(cal.probability([1], [0.5], [False])[0]) > 0.5
+
+
+def test_trees_not_verified_teach_the_calibration_in_hindsight():
+    """A lookup node is a deterministic proposal: whether the target accepts
+    it once its parent is accepted is whether the target emits its token
+    there, which the request's committed tokens say whether or not the node
+    was verified. A tree the auto budget verified none of (valued low: its
+    raw path probabilities are small) is read against the tokens committed in
+    the next steps, one token a step here; calibrated on verified nodes
+    alone, its buckets never moved from the raw score."""
+    draft = LookupDraft([31, 32, 33], [-1, 0, 1], [0.1, 0.1, 0.1])
+    lookup = BatchLookup(FixedSource([draft]), BUDGET)
+    cal = lookup.calibration
+    lookup.propose(batch(["a"]), [[7]])
+    assert lookup_only(lookup, ["a"], [0], num_nodes=[0]) is None  # none verified
+    before = float(cal.probability([2], [0.1], [False])[0])
+    for token in (31, 32):  # plain steps: one committed token each
+        lookup.propose(batch(["a"]), [[token]])
+        lookup.lookup_only_unions([0])  # this step's tree is watched too
+    # The first tree: 31 and 32 accepted (depths 1, 2), 33 still open.
+    # The second (rooted at 31): 31 rejected at depth 1 (the target said 32).
+    assert cal.reached.sum() == 3 and cal.accepted.sum() == 2
+    assert float(cal.probability([2], [0.1], [False])[0]) > before
+    lookup.propose(batch(["a"]), [[33]])  # decides the first tree's depth 3
+    assert cal.reached[2].sum() == 1 and cal.accepted[2].sum() == 1
+    # A request that leaves the batch takes its trees along.
+    lookup.lookup_only_unions([0])
+    lookup.propose(batch(["b"]), [[5]])
+    assert "a" not in lookup.watched
 
 
 def test_only_the_proposed_tree_is_read():

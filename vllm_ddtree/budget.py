@@ -420,51 +420,133 @@ class ProfiledStepCost:
 
 
 class NodeCostModel:
-    """Seconds per draft node of a tree step, beyond a plain step of as many
-    rows and beside a cost per tree request (hybrid targets: a GDN tree row
-    copies its parent's state).
+    """Seconds per draft node of a tree step, by kind of node, beyond a plain
+    step of as many rows and beside a cost per tree request.
+
+    Kinds (counts per step, in the order given to :meth:`update`): every
+    draft node (a verify row computes its logits and attends over its
+    request's whole context; the start-up profile's dummy rows do neither:
+    on a 2-core AVX-512 Xeon, SmolLM2-135M fp32, chains of 10-13 nodes ran
+    6-10 ms over the profile's curve, chains of 1-3 nodes at it), and on
+    dense targets the branch rows (nodes off a tree's leading chain, which the
+    CPU attention recomputes per layer); on recurrent targets every node also
+    copies its parent's state, so the one kind covers both.
 
     The extra seconds of each tree step are regressed on (tree requests,
-    nodes) by least squares with :class:`StepCostModel`'s exponential
-    forgetting; the node slope is this model's. The two counts rise together
-    (more requests, more nodes), so a per-node estimate from residuals alone
-    converges slowly; the joint fit separates them as soon as the steps differ
-    in nodes per request. Until they do (a singular fit) the slope is the
-    residual one: ``(extra - per-request part) / nodes``.
+    counts of each kind) by least squares with exponential forgetting, every
+    coefficient >= 0 (the feasible subset of terms with the least squared
+    error). Without a per-node term, a cost that grows with the nodes lands in
+    the per-request model and is charged in full to a one-node tree; the joint
+    fit separates them as soon as steps differ in nodes per request. Until
+    they do (collinear terms) the per-request term is preferred.
     """
 
-    def __init__(self, decay: float = 0.995):
+    def __init__(self, kinds: int = 1, decay: float = 0.995):
+        if kinds < 1:
+            raise ValueError(f"kinds must be >= 1, got {kinds}")
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.kinds = kinds
         self.decay = decay
-        self._sums = np.zeros(6)  # rr, rn, nn, r * extra, n * extra, n * residual
+        n = kinds + 1  # the per-request term first
+        self._gram = [[0.0] * n for _ in range(n)]  # sum of w x x^T
+        self._moment = [0.0] * n  # sum of w x extra
+        self._square = 0.0  # sum of w extra^2
+        # Subsets of terms to try, largest first, the per-request term first
+        # among equals (so it wins ties).
+        subsets = []
+        for mask in range(1, 1 << n):
+            subsets.append([i for i in range(n) if mask >> i & 1])
+        subsets.sort(key=lambda t: (-len(t), t))
+        self._subsets = subsets
+        self._slopes: list[float] | None = None
 
-    def update(
-        self, tree_requests: float, nodes: float, extra: float, residual: float
-    ) -> None:
-        """One tree step: ``extra`` seconds beyond a plain step, ``residual``
-        of them not predicted by the per-request model."""
-        r, n = float(tree_requests), float(nodes)
-        self._sums *= self.decay
-        self._sums += (r * r, r * n, n * n, r * extra, n * extra, n * residual)
+    def update(self, tree_requests: float, counts, extra: float) -> None:
+        """One tree step: ``counts`` of each kind of node, ``extra`` seconds
+        beyond a plain step of as many rows."""
+        x = [float(tree_requests), *map(float, counts)]
+        if len(x) != self.kinds + 1:
+            raise ValueError(f"expected {self.kinds} node counts, got {len(x) - 1}")
+        d = self.decay
+        gram, moment = self._gram, self._moment
+        for i, xi in enumerate(x):
+            row = gram[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + xi * xj
+            moment[i] = d * moment[i] + xi * extra
+        self._square = d * self._square + extra * extra
+        self._slopes = None
 
     @property
     def ready(self) -> bool:
-        return self._sums[2] > 0
+        return any(self._gram[i][i] > 0 for i in range(1, self.kinds + 1))
 
     @property
-    def slope(self) -> float:
-        """Seconds per node (0 before the first sample)."""
-        rr, rn, nn, re, ne, nres = self._sums
-        if nn <= 0:
-            return 0.0
-        det = rr * nn - rn * rn
-        if det > 1e-6 * rr * nn:
-            return max((rr * ne - rn * re) / det, 0.0)
-        return max(nres / nn, 0.0)
+    def slopes(self) -> list[float]:
+        """Seconds per node of each kind (0 before the first sample)."""
+        if self._slopes is None:
+            self._slopes = self._fit()[1:]
+        return self._slopes
 
-    def predict(self, nodes) -> np.ndarray | float:
-        return self.slope * np.asarray(nodes, dtype=np.float64)
+    def _fit(self) -> list[float]:
+        gram, moment = self._gram, self._moment
+        best, best_error = [0.0] * (self.kinds + 1), self._square
+        for terms in self._subsets:
+            sub = [[gram[i][j] for j in terms] for i in terms]
+            diagonal = 1.0
+            for i in range(len(terms)):
+                diagonal *= sub[i][i]
+            coef = _solve(sub, [moment[i] for i in terms])
+            # Collinear terms (at most 1e-6 of Hadamard's bound): no split.
+            if coef is None or diagonal <= 0 or _det(sub) <= 1e-6 * diagonal:
+                continue
+            if min(coef) < 0:
+                continue
+            # Squared error of the fit: e^2 - 2 c.m + c^T G c = e^2 - c.m here.
+            error = self._square - sum(c * moment[i] for c, i in zip(coef, terms, strict=True))
+            if error < best_error - 1e-12 * max(self._square, 1e-30):
+                best, best_error = [0.0] * (self.kinds + 1), error
+                for c, i in zip(coef, terms, strict=True):
+                    best[i] = c
+        return best
+
+    def predict(self, counts) -> float:
+        """Seconds of a tree step's nodes: ``counts`` of each kind."""
+        return sum(s * float(c) for s, c in zip(self.slopes, counts, strict=True))
+
+
+def _det(m: list[list[float]]) -> float:
+    """Determinant of a 1 x 1 to 3 x 3 matrix (lists)."""
+    if len(m) == 1:
+        return m[0][0]
+    if len(m) == 2:
+        return m[0][0] * m[1][1] - m[0][1] * m[1][0]
+    return (
+        m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+        - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+        + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+    )
+
+
+def _solve(m: list[list[float]], b: list[float]) -> list[float] | None:
+    """``m x = b`` for a small system (Gaussian elimination with partial
+    pivoting, on floats: called every step, where numpy's per-call overhead
+    would dominate); None when singular."""
+    n = len(b)
+    a = [[*row, v] for row, v in zip(m, b, strict=True)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if a[pivot][c] == 0:
+            return None
+        a[c], a[pivot] = a[pivot], a[c]
+        for r in range(c + 1, n):
+            f = a[r][c] / a[c][c]
+            for k in range(c, n + 1):
+                a[r][k] -= f * a[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
+    return x
 
 
 class OutlierFilter:

@@ -12,9 +12,11 @@ the target step and in the drafter pass, accepted depths); the controller keeps
   verifying a tree, by tree requests (tree attention and the verify's
   bookkeeping work per tree: on CPU a recompute per tree and layer, so a model
   over rows alone read a 16-request tree step at half its measured cost), and
-  a cost per charged node fitted jointly (``NodeCostModel``): per branch row
-  (a node off its tree's leading chain, the rows the CPU attention recomputes)
-  or, for recurrent targets, per node;
+  costs per node fitted jointly (``NodeCostModel``): per draft node (a
+  verify row's logits and attention over the request's context, which the
+  profile's dummy rows lack; on recurrent targets also its state copy) and
+  per branch row (a node off its tree's leading chain, the rows the CPU
+  attention recomputes);
 * drafter cost models: the full DFlash pass (block queries, draft logits
   for ``draft_depth`` positions, trees), by requests, one per depth, and the
   context-only pass (the drafter's context K/V of the new tokens, no drafter
@@ -318,21 +320,22 @@ class BudgetController:
             del drafter.dummy_run  # the class's method again
 
     def track_recurrent_state(self) -> None:
-        """The target has recurrent (GDN) layers: tree steps are also charged
-        per draft node (:attr:`tree_node_cost`), every node."""
-        if self.tree_node_cost is None:
-            self.tree_node_cost = NodeCostModel()
+        """The target has recurrent (GDN) layers: every draft node of a tree
+        step also copies its parent's state (:attr:`tree_node_cost`, one kind:
+        every node)."""
+        self.tree_node_cost = NodeCostModel(kinds=1)
         self.charge_all_nodes = True
 
     def track_branch_rows(self) -> None:
-        """Tree steps are also charged per *branch row*: a node off its tree's
-        leading chain (on CPU the attention recomputes exactly those rows per
-        layer; a chain's rows and a tree's leading spine are the stock
-        kernel's). Lookup drafts are often chains, the drafter's trees branch:
-        charged per tree request alone, a 15-node branching tree was priced
-        like a 15-node chain, and read ~20% cheap."""
-        if self.tree_node_cost is None:
-            self.tree_node_cost = NodeCostModel()
+        """Tree steps are charged per draft node and, apart, per *branch
+        row*: a node off its tree's leading chain (on CPU the attention
+        recomputes exactly those rows per layer; a chain's rows and a tree's
+        leading spine are the stock kernel's). Lookup drafts are often
+        chains, the drafter's trees branch: charged per tree request alone, a
+        15-node branching tree was priced like a 15-node chain, and read ~20%
+        cheap."""
+        self.tree_node_cost = NodeCostModel(kinds=2)
+        self.charge_all_nodes = False
 
     @staticmethod
     def branch_rows(parents: list[int]) -> int:
@@ -342,33 +345,33 @@ class BudgetController:
             spine += 1
         return len(parents) - spine
 
-    def charged_nodes(self, tree: DraftTree) -> torch.Tensor | None:
-        """[R, B] float: 1 for each node charged per node (every real node of
-        a recurrent target's tree; the branch rows otherwise), or None without
-        a per-node model."""
+    def node_kinds(self, tree: DraftTree) -> torch.Tensor | None:
+        """[K, R, B] float: per kind of :attr:`tree_node_cost`, 1 for each
+        node of that kind (kind 0: every real node; kind 1, dense targets:
+        the branch rows), or None without a per-node model."""
         if self.tree_node_cost is None:
             return None
         parents = tree.parents[:, 1:]  # [R, B]
         index = torch.arange(parents.shape[1], device=parents.device)
         real = index < tree.num_nodes.unsqueeze(1)
         if self.charge_all_nodes:
-            return real.float()
+            return real.float().unsqueeze(0)
         # Node i (column i - 1) is on the leading spine iff every node up to
         # it is the child of the one before it.
         spine = torch.cumprod((parents == index).to(torch.int32), dim=1).bool()
-        return (real & ~spine).float()
+        return torch.stack([real, real & ~spine]).float()
 
     def _charged_seconds(self, values: torch.Tensor, tree: DraftTree):
         """[R * B + 1] (device) the per-node seconds of the best k nodes, k =
         0 .. R * B, in :func:`allocate_nodes`' order; None without a model."""
-        charged = self.charged_nodes(tree)
-        if charged is None or not self.tree_node_cost.ready:
+        kinds = self.node_kinds(tree)
+        if kinds is None or not self.tree_node_cost.ready:
             return None
+        slopes = torch.tensor(self.tree_node_cost.slopes, dtype=kinds.dtype)
+        per_node = (kinds * slopes.to(kinds.device).view(-1, 1, 1)).sum(0)  # [R, B]
         _, order = allocation_order(values)
-        cumulative = charged.t().reshape(-1)[order].cumsum(0)
-        return torch.cat([cumulative.new_zeros(1), cumulative]) * float(
-            self.tree_node_cost.slope
-        )
+        cumulative = per_node.t().reshape(-1)[order].cumsum(0)
+        return torch.cat([cumulative.new_zeros(1), cumulative])
 
     def record_step(
         self,
@@ -376,14 +379,16 @@ class BudgetController:
         target_seconds: float,
         tree_requests: int = 0,
         tree_nodes: int = 0,
+        branch_rows: int = 0,
     ) -> None:
         """One target step of ``rows`` rows, ``tree_requests`` of its requests
-        verifying ``tree_nodes`` draft nodes in all (0: a plain step).
+        verifying ``tree_nodes`` draft nodes in all, ``branch_rows`` of them
+        off their trees' leading chains (0 requests: a plain step).
 
-        With a per-node model (hybrid targets) the step's extra time is split:
-        the node slope from a joint fit (:class:`NodeCostModel`), the per-request
-        model from what the nodes leave (steps of different nodes per tree
-        request tell them apart; at one ratio any split predicts the same)."""
+        With a per-node model the step's extra time is split: the node slopes
+        from a joint fit (:class:`NodeCostModel`), the per-request model from
+        what the nodes leave (steps of different nodes per tree request tell
+        them apart; at one ratio any split predicts the same)."""
         if rows <= 0 or target_seconds <= 0:
             return
         timed = not tree_requests or self._tree_warmed_up
@@ -406,12 +411,17 @@ class BudgetController:
             if per_node is None or tree_nodes <= 0:
                 self.tree_overhead_cost.update(tree_requests, extra / tree_requests)
                 return
-            by_trees = self._tree_seconds(tree_requests)
-            per_node.update(tree_requests, tree_nodes, extra, extra - by_trees)
-            by_nodes = float(per_node.predict(tree_nodes))
+            counts = self._node_counts(tree_nodes, branch_rows)
+            per_node.update(tree_requests, counts, extra)
+            by_nodes = per_node.predict(counts)
             self.tree_overhead_cost.update(
                 tree_requests, (extra - by_nodes) / tree_requests
             )
+
+    def _node_counts(self, nodes, branch_rows=0) -> tuple:
+        """Counts of each kind of :attr:`tree_node_cost` (every node; and the
+        branch rows on dense targets)."""
+        return (nodes,) if self.charge_all_nodes else (nodes, branch_rows)
 
     def _tree_seconds(self, tree_requests: int) -> float:
         if not tree_requests or not self.tree_overhead_cost.ready:
@@ -419,10 +429,13 @@ class BudgetController:
         return tree_requests * float(self.tree_overhead_cost.predict(tree_requests))
 
     def _node_seconds(self, nodes):
+        """Seconds of ``nodes`` draft nodes (a number or an array) at the
+        every-node slope (branch rows are charged by the callers that see
+        the trees)."""
         model = self.tree_node_cost
         if model is None or not model.ready:
             return 0.0
-        return model.predict(nodes)
+        return model.slopes[0] * np.asarray(nodes, dtype=np.float64)
 
     def tree_step_seconds(self, rows, tree_requests: int, per_node: bool = True):
         """Predicted seconds of a verify step of ``rows`` rows (a number or an
@@ -641,7 +654,9 @@ class BudgetController:
         num_reqs = len(trees)
         width = max((t.num_nodes for t in trees if t is not None), default=0)
         values = np.zeros((num_reqs, width))  # [R, B]
-        charged = np.zeros((num_reqs, width))  # [R, B]
+        charged = np.zeros((num_reqs, width))  # [R, B] per-node seconds
+        node_cost = self.tree_node_cost
+        slopes = node_cost.slopes if node_cost is not None and node_cost.ready else None
         factors = self.lookup_calibration.factors().tolist()  # [B + 1]
         deepest = len(factors) - 1
         for r, tree in enumerate(trees):
@@ -653,7 +668,8 @@ class BudgetController:
                 min(math.exp(score) * factors[min(depth, deepest)], 1.0)
                 for score, depth in zip(tree.log_scores[1:], tree.depths[1:], strict=True)
             ]
-            charged[r, :n] = self._charged_host(tree.parents)
+            if slopes is not None:
+                charged[r, :n] = self._charged_host(tree.parents, slopes)
         rows = num_reqs + np.arange(values.size + 1)
         order = allocation_order_host(values)
         # The fixed tree cost is paid per request that verifies a tree: with
@@ -669,9 +685,8 @@ class BudgetController:
         if self.tree_overhead_cost.ready:
             per_request = self.tree_overhead_cost.predict(np.maximum(tree_reqs, 1))
             curve = curve + tree_reqs * per_request
-        if self.tree_node_cost is not None and self.tree_node_cost.ready:
-            flat_charged = charged.T.reshape(-1)[order[1]]
-            curve[1:] += np.cumsum(flat_charged) * self.tree_node_cost.slope
+        if slopes is not None:
+            curve[1:] += np.cumsum(charged.T.reshape(-1)[order[1]])
         return values, curve, order
 
     def _lookup_only_choice(
@@ -682,14 +697,14 @@ class BudgetController:
         values, curve, order = self._lookup_only_step(trees, context)
         return allocate_nodes_host(values, curve, order=order)
 
-    def _charged_host(self, parents: list[int]) -> list[float]:
-        """[n] :meth:`charged_nodes` of one host tree (``parents``, root
-        first): every node, or the nodes off its leading chain."""
+    def _charged_host(self, parents: list[int], slopes: list[float]) -> list[float]:
+        """[n] per-node seconds of one host tree (``parents``, root first):
+        :meth:`node_kinds` at ``slopes``."""
         n = len(parents) - 1
         if self.charge_all_nodes:
-            return [1.0] * n
+            return [slopes[0]] * n
         branch = self.branch_rows(parents)
-        return [0.0] * (n - branch) + [1.0] * branch
+        return [slopes[0]] * (n - branch) + [slopes[0] + slopes[1]] * branch
 
     def choose_lookup_only(self, trees: list[UnionTree | None]) -> list[int]:
         """Nodes to keep per request of lookup-only trees (a step whose

@@ -4,11 +4,13 @@
 Each step, after the target's verification (``DDTreeVerifier.before_propose``):
 
 1. :meth:`BatchLookup.observe` reads what the target did with last step's
-   lookup nodes (from the tokens it committed: a node is *reached* when its
-   parent was accepted) into the :class:`~vllm_ddtree.lookup_calibration.
-   LookupCalibration`;
-2. :meth:`BatchLookup.propose` asks the lookup source
-   (:mod:`.lookup`) for each request's lookup tree, after its new tokens;
+   verified lookup nodes (from the tokens it committed: a node is *reached*
+   when its parent was accepted), for the counters and the auto budget;
+2. :meth:`BatchLookup.propose` reads the newly committed tokens against every
+   lookup tree built in the last steps, verified or not, into the lookup
+   calibration (hindsight, see :class:`Hindsight`), then asks the lookup
+   source (:mod:`.lookup`) for each request's lookup tree, after its new
+   tokens;
 3. with a drafter pass, :meth:`BatchLookup.union_trees` replaces the drafter's
    tree of each request that has a lookup tree by the union tree
    (:func:`~vllm_ddtree.lookup_tree.build_union_tree`, the drafter's
@@ -54,11 +56,55 @@ class PendingLookupNodes:
     tokens: list[int]  # [n] every node's token (root excluded)
     sources: list[int]  # [n] FROM_DRAFTER | FROM_LOOKUP of every node
     nodes: list[int]  # tree nodes (1..n) that are lookup nodes
-    depths: list[int]  # their depths
-    raw: list[float]  # their sources' raw probabilities
-    agreed: list[bool]  # whether the drafter proposed the same token there
     path_probs: list[float]  # [n] every node's path probability (the tree's)
     node_depths: list[int]  # [n] every node's depth
+
+
+@dataclass
+class Hindsight:
+    """A lookup tree built for a request, read against the tokens the request
+    commits next, whether or not its nodes were verified.
+
+    A lookup node is a deterministic proposal, so the probability that the
+    target accepts it once its parent is accepted is the probability that the
+    target emits its token there (greedy: that the token is the argmax;
+    sampled: the chance of a draft that is a point mass, under lossless
+    verification), and the request's committed tokens are that emission,
+    whatever was verified. Calibrating on verified nodes alone was biased:
+    the auto budget verifies the nodes it values most, so the buckets of the
+    low-valued nodes (deep nodes of long chains: path probabilities of a few
+    percent) kept their source's raw score (measured: nodes valued under 0.05
+    were accepted 47% of the time) and were never verified to learn
+    otherwise."""
+
+    children: list[list[int]]  # [n + 1] per slot (0: root, i + 1: node i)
+    tokens: list[int]  # [n]
+    depths: list[int]  # [n]
+    raw: list[float]  # [n] the source's probabilities
+    agreed: list[bool]  # [n] the drafter proposed the same token there
+    at: int = 0  # slot of the deepest node on the committed path so far
+
+    def read(self, committed: list[int], out: tuple[list, list, list, list]) -> bool:
+        """Appends the nodes ``committed`` (the request's next tokens)
+        decides to ``out`` (depths, raw, agreed, accepted); False once the
+        whole tree is decided."""
+        for token in committed:
+            children = self.children[self.at]
+            if not children:
+                return False
+            nxt = 0
+            for i in children:
+                out[0].append(self.depths[i])
+                out[1].append(self.raw[i])
+                out[2].append(self.agreed[i])
+                hit = self.tokens[i] == token
+                out[3].append(hit)
+                if hit:
+                    nxt = i + 1
+            if not nxt:
+                return False
+            self.at = nxt
+        return bool(self.children[self.at])
 
 
 class BatchLookup:
@@ -80,6 +126,11 @@ class BatchLookup:
         self.last_tokens: list[int] = []
         # req_id -> lookup nodes of the tree last proposed for it.
         self.pending: dict[str, PendingLookupNodes] = {}
+        # req_id -> its lookup trees built in the last steps, not yet
+        # decided by the tokens it committed since (:class:`Hindsight`).
+        self.watched: dict[str, list[Hindsight]] = {}
+        # This step's batch rows' request ids (:meth:`propose`).
+        self._req_ids: list[str] = []
         # Counters (host): lookup nodes proposed, reached and accepted; the
         # accepted nodes of union trees by source (drafter only, lookup only,
         # both).
@@ -131,12 +182,12 @@ class BatchLookup:
         num_drafts: list[int],
         committed: list[list[int]],
     ) -> None:
-        """Feeds the calibration what the target did with the verified lookup
-        nodes: ``committed[b]`` is what request ``b`` committed this step (its
+        """Counts what the target did with the verified lookup nodes (the
+        calibration reads every built tree in :meth:`propose`):
+        ``committed[b]`` is what request ``b`` committed this step (its
         accepted path, then the bonus token); siblings' tokens differ, so the
         accepted path is found by its tokens. Sets :attr:`verified_trees`."""
         union = self.union_rows(req_ids, step_parents, step_tokens, num_drafts)
-        depths, raw, agreed, accepted = [], [], [], []
         tree_probs, tree_depths, tree_accepted = [], [], []
         for b, req_id in enumerate(req_ids):
             if not union[b] or not committed[b]:
@@ -165,26 +216,24 @@ class BatchLookup:
                     else "lookup" if source == FROM_LOOKUP else "drafter"
                 )
                 self.accepted_by_source[key] += 1
-            for i, node_i in enumerate(pending.nodes):
-                if node_i > n or parents[node_i] not in on_path:
-                    continue  # not verified, or its parent was rejected
-                depths.append(pending.depths[i])
-                raw.append(pending.raw[i])
-                agreed.append(pending.agreed[i])
-                accepted.append(node_i in on_path)
+            for node_i in pending.nodes:
+                if node_i <= n and parents[node_i] in on_path:  # reached
+                    self.num_reached += 1
+                    self.num_accepted += node_i in on_path
             tree_probs.append(pending.path_probs[:n])
             tree_depths.append(pending.node_depths[:n])
             tree_accepted.append(len(on_path) - 1)
-        if depths:
-            self.calibration.observe(depths, raw, agreed, accepted)
-            self.num_reached += len(depths)
-            self.num_accepted += sum(accepted)
+        # (The calibration reads every built tree, verified or not, in
+        # :meth:`propose`.)
         self.verified_trees = (tree_probs, tree_depths, tree_accepted)
 
     def propose(self, input_batch, committed: list[list[int]]) -> None:
         """This step's lookup trees (:attr:`drafts`), after each request's
         newly ``committed`` tokens (before vLLM's bookkeeping); none for
-        requests backing off (the source still reads their tokens)."""
+        requests backing off (the source still reads their tokens). First the
+        calibration reads those tokens against the trees built before."""
+        self._req_ids = list(input_batch.req_ids[: len(committed)])
+        self._read_hindsight(self._req_ids, committed)
         resting = set()
         for b, req_id in enumerate(input_batch.req_ids[: len(committed)]):
             misses, wait = self._backoff.get(req_id, (0, 0))
@@ -197,6 +246,41 @@ class BatchLookup:
         # theirs: the scheduler may still schedule those drafts).
         for req_id in input_batch.req_ids[: len(committed)]:
             self.pending.pop(req_id, None)
+
+    def _read_hindsight(self, req_ids: list[str], committed: list[list[int]]) -> None:
+        """The calibration's evidence: each request's watched trees read
+        against its newly committed tokens (trees of requests that left the
+        batch are dropped)."""
+        watched = self.watched
+        if not watched:
+            return
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        for req_id, tokens in zip(req_ids, committed, strict=True):
+            trees = watched.get(req_id)
+            if trees and tokens:
+                trees[:] = [t for t in trees if t.read(tokens, out)]
+        current = set(req_ids)
+        for req_id in [r for r in watched if r not in current]:
+            del watched[req_id]
+        if out[0]:
+            self.calibration.observe(*out)
+
+    def _watch(self, row: int, draft: LookupDraft, depths, agreed) -> None:
+        """Reads ``draft`` (built for batch row ``row`` this step) against
+        the tokens its request commits next."""
+        children: list[list[int]] = [[] for _ in range(len(draft.tokens) + 1)]
+        for i, parent in enumerate(draft.parents):
+            children[parent + 1].append(i)
+        trees = self.watched.setdefault(self._req_ids[row], [])
+        # At least one token is committed per step, so a tree is decided
+        # within its depth in steps: more are left over from a request that
+        # committed nothing (a discarded row), the oldest first.
+        if len(trees) >= 2 * self.budget:
+            del trees[0]
+        trees.append(
+            Hindsight(children, list(draft.tokens), list(depths),
+                      [float(p) for p in draft.probs], list(agreed))
+        )  # fmt: skip
 
     def rows(self, excluded: list[int] = ()) -> list[int]:
         """Batch rows with a lookup tree this step, but ``excluded``."""
@@ -213,10 +297,11 @@ class BatchLookup:
         root: int,
         log_probs: np.ndarray,
         token_ids: np.ndarray,
-    ) -> tuple[UnionTree, list[int], list[bool]]:
-        """Batch row ``row``'s union tree, its lookup nodes' depths and
-        agreement with the drafter; ``log_probs``/``token_ids`` [L, K]
-        (L = 0 without a drafter pass)."""
+        watch: bool = True,
+    ) -> UnionTree:
+        """Batch row ``row``'s union tree; ``log_probs``/``token_ids`` [L, K]
+        (L = 0 without a drafter pass). ``watch``: its lookup tree is read
+        against the request's next tokens (once per row and step)."""
         draft = self.drafts[row]
         depths = draft.depth_list()
         num_depths = log_probs.shape[0]
@@ -226,7 +311,9 @@ class BatchLookup:
             for t, d in zip(draft.tokens, depths, strict=True)
         ]
         calibrated = self.calibration.calibrate(draft, agreed)
-        tree = build_union_tree(
+        if watch:
+            self._watch(row, draft, depths, agreed)
+        return build_union_tree(
             log_probs,
             token_ids,
             self.budget,
@@ -234,19 +321,15 @@ class BatchLookup:
             lookup=calibrated,
             max_depth=self.budget,
         )
-        return tree, depths, agreed
 
-    def _remember(
-        self, req_id: str, draft: LookupDraft, tree: UnionTree, depths, agreed
-    ) -> None:
+    def _remember(self, req_id: str, tree: UnionTree) -> None:
+        """The lookup nodes of ``tree``, proposed for ``req_id`` this step
+        (read a step later by :meth:`observe`)."""
         nodes = [i for i in range(1, len(tree.tokens)) if tree.lookup_nodes[i] >= 0]
         self.pending[req_id] = PendingLookupNodes(
             tokens=tree.tokens[1:],
             sources=tree.sources[1:],
             nodes=nodes,
-            depths=[depths[tree.lookup_nodes[i]] for i in nodes],
-            raw=[float(draft.probs[tree.lookup_nodes[i]]) for i in nodes],
-            agreed=[agreed[tree.lookup_nodes[i]] for i in nodes],
             path_probs=np.exp(tree.log_scores[1:]).tolist(),
             node_depths=tree.depths[1:],
         )
@@ -284,32 +367,30 @@ class BatchLookup:
         token_ids = token_ids.astype(np.int64)
         lists = _rows_of(tokens, parents, scores, counts)
         for i, b in enumerate(rows):
-            union, depths, agreed = self._union_tree(
-                b, int(tokens[b, 0]), log_probs[i], token_ids[i]
-            )
+            union = self._union_tree(b, int(tokens[b, 0]), log_probs[i], token_ids[i])
             lists[b] = (union.tokens, union.parents, union.log_scores)
-            self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
+            self._remember(req_ids[b], union)
         return _to_tree(lists, tree.tokens.device), rows
 
     def lookup_only_unions(
-        self, rows: list[int]
-    ) -> list[tuple[UnionTree, list[int], list[bool]] | None]:
+        self, rows: list[int], watch: bool = True
+    ) -> list[UnionTree | None]:
         """Per batch row, its tree of lookup nodes alone (no drafter pass this
-        step), rooted at its last committed token, with its lookup nodes'
-        depths and drafter agreement (none), or None: rows not in ``rows``."""
+        step), rooted at its last committed token, or None: rows not in
+        ``rows``. ``watch=False``: a yardstick beside union trees built for
+        the same rows (which are the ones read against the next tokens)."""
         empty = np.zeros((0, 1))
-        unions: list[tuple[UnionTree, list[int], list[bool]] | None]
-        unions = [None for _ in self.last_tokens]
+        unions: list[UnionTree | None] = [None for _ in self.last_tokens]
         for b in rows:
             unions[b] = self._union_tree(
-                b, self.last_tokens[b], empty, empty.astype(np.int64)
+                b, self.last_tokens[b], empty, empty.astype(np.int64), watch
             )
         return unions
 
     def lookup_only_trees(
         self,
         req_ids: list[str],
-        unions: list[tuple[UnionTree, list[int], list[bool]] | None],
+        unions: list[UnionTree | None],
         num_nodes: list[int],
     ) -> list[tuple[list[int], list[int], list[float]]] | None:
         """The batch's trees to verify, on the host (what the scheduler gets:
@@ -321,14 +402,13 @@ class BatchLookup:
         if not any(num_nodes):
             return None
         lists = []
-        for b, (entry, n) in enumerate(zip(unions, num_nodes, strict=True)):
-            if entry is None or n == 0:
+        for b, (union, n) in enumerate(zip(unions, num_nodes, strict=True)):
+            if union is None or n == 0:
                 lists.append(([self.last_tokens[b]], [-1], [0.0]))
                 continue
-            union, depths, agreed = entry
             union = _prefix(union, n)
             lists.append((union.tokens, union.parents, union.log_scores))
-            self._remember(req_ids[b], self.drafts[b], union, depths, agreed)
+            self._remember(req_ids[b], union)
         return lists
 
     def forget(self, req_ids: list[str]) -> None:

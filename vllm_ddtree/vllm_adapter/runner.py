@@ -147,7 +147,7 @@ class DDTreeVerifier:
             )
             self.proposed.keep_path_probs = True
         self._budget_logged = time.monotonic()
-        self._step_clock: tuple[float, int, int, int] | None = None
+        self._step_clock: tuple[float, int, int, int, int] | None = None
         self._drafter_seconds = 0.0
         self._propose_started = 0.0
         # req_id -> (path probabilities, depths) of the last grammar-built tree
@@ -293,19 +293,18 @@ class DDTreeVerifier:
         """Start of ``execute_model``: the auto budget times the step from here."""
         if self.budget is not None:
             drafts = scheduler_output.scheduled_spec_decode_tokens.values()
-            if self.budget.charge_all_nodes:
-                charged = sum(len(d) for d in drafts)  # every draft node
-            else:
+            branch = 0
+            if not self.budget.charge_all_nodes:
                 trees = getattr(scheduler_output, "scheduled_draft_trees", None)
-                charged = sum(
-                    self.budget.branch_rows(t.parents)
-                    for t in (trees or {}).values()
+                branch = sum(
+                    self.budget.branch_rows(t.parents) for t in (trees or {}).values()
                 )
             self._step_clock = (
                 time.perf_counter(),
                 scheduler_output.total_num_scheduled_tokens,
                 sum(1 for d in drafts if d),  # requests verifying drafts
-                charged,  # their nodes charged per node
+                sum(len(d) for d in drafts),  # their draft nodes
+                branch,  # the nodes off their trees' leading chains
             )
             self._drafter_seconds = 0.0
 
@@ -318,7 +317,7 @@ class DDTreeVerifier:
         # Host time of the step: on CPU the work itself; the stash's
         # device->host copy of the trees has synchronized before this point.
         seconds = time.perf_counter() - clock[0] - self._drafter_seconds
-        self.budget.record_step(clock[1], seconds, clock[2], clock[3])
+        self.budget.record_step(clock[1], seconds, *clock[2:])
         self._step_clock = None
         now = time.monotonic()
         if now - self._budget_logged >= _BUDGET_LOG_INTERVAL_S:
@@ -661,7 +660,7 @@ class DDTreeVerifier:
             # valued and cut on the host, and sent to the scheduler from there.
             started = time.perf_counter()
             unions = self.lookup.lookup_only_unions(self._lookup_rows)
-            num_nodes = budget.choose_lookup_only([u and u[0] for u in unions])
+            num_nodes = budget.choose_lookup_only(unions)
             self.lookup.note_lookup_only_choice(req_ids, self._lookup_rows, num_nodes)
             trees = self.lookup.lookup_only_trees(req_ids, unions, num_nodes)
             if trees is not None:
@@ -777,8 +776,7 @@ class DDTreeVerifier:
             lookup_rows, dtype=torch.int64, device=device
         )
         # Not verified: only a yardstick (host trees).
-        alternative = self.lookup.lookup_only_unions(lookup_rows)
-        return rows, [u and u[0] for u in alternative]
+        return rows, self.lookup.lookup_only_unions(lookup_rows, watch=False)
 
     # <<< lookup
     # <<< auto budget
