@@ -367,8 +367,9 @@ class BudgetController:
         kinds = self.node_kinds(tree)
         if kinds is None or not self.tree_node_cost.ready:
             return None
-        slopes = torch.tensor(self.tree_node_cost.slopes, dtype=kinds.dtype)
-        per_node = (kinds * slopes.to(kinds.device).view(-1, 1, 1)).sum(0)  # [R, B]
+        # [R, B] seconds per node (host floats as scalars: no host -> device copy)
+        slopes = self.tree_node_cost.slopes
+        per_node = sum(kind * s for kind, s in zip(kinds, slopes, strict=True))
         _, order = allocation_order(values)
         cumulative = per_node.t().reshape(-1)[order].cumsum(0)
         return torch.cat([cumulative.new_zeros(1), cumulative])
