@@ -26,6 +26,7 @@ concave cost (what small GEMMs give on CPU) is handled too.
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 import torch
@@ -514,17 +515,16 @@ class NodeCostModel:
         best, best_error = [0.0] * (self.kinds + 1), self._square
         for terms in self._subsets:
             sub = [[gram[i][j] for j in terms] for i in terms]
-            diagonal = 1.0
-            for i in range(len(terms)):
-                diagonal *= sub[i][i]
-            coef = _solve(sub, [moment[i] for i in terms])
             # Collinear terms (at most 1e-6 of Hadamard's bound): no split.
-            if coef is None or diagonal <= 0 or _det(sub) <= 1e-6 * diagonal:
+            diagonal = math.prod(sub[i][i] for i in range(len(terms)))
+            if diagonal <= 0 or _det(sub) <= 1e-6 * diagonal:
                 continue
-            if min(coef) < 0:
+            coef = _solve(sub, [moment[i] for i in terms])
+            if coef is None or min(coef) < 0:
                 continue
             # Squared error of the fit: e^2 - 2 c.m + c^T G c = e^2 - c.m here.
-            error = self._square - sum(c * moment[i] for c, i in zip(coef, terms, strict=True))
+            explained = sum(c * moment[i] for c, i in zip(coef, terms, strict=True))
+            error = self._square - explained
             if error < best_error - 1e-12 * max(self._square, 1e-30):
                 best, best_error = [0.0] * (self.kinds + 1), error
                 for c, i in zip(coef, terms, strict=True):
