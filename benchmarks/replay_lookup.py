@@ -86,6 +86,140 @@ def replay(rows, horizon: int, propose, start=None, add=None, stop=None):
     return tokens / max(steps, 1), nodes / max(steps, 1)
 
 
+def bucket(depth: int, path_prob: float) -> tuple[int, int]:
+    """A lookup node's calibration cell: depth and half-octave of its path
+    probability (what the engine's lookup calibration keys on)."""
+    return min(depth, 24), int(
+        np.clip(np.floor(2 * np.log2(max(path_prob, 1e-6))), -40, 0)
+    )
+
+
+def node_cells(draft_tokens, parents, probs) -> list[tuple[int, int]]:
+    """[n] the calibration cell of each node (parents before children)."""
+    depth: list[int] = []
+    path: list[float] = []
+    for p, q in zip(parents, probs, strict=True):
+        depth.append(1 if p < 0 else depth[p] + 1)
+        path.append(q if p < 0 else path[p] * q)
+    return [bucket(d, q) for d, q in zip(depth, path, strict=True)]
+
+
+def node_accepted(draft_tokens, parents, truth) -> list[bool]:
+    """[n] whether each node's root path is a prefix of ``truth``."""
+    ok: list[bool] = []
+    for i, (token, p) in enumerate(zip(draft_tokens, parents, strict=True)):
+        depth = 0
+        j = p
+        while j >= 0:
+            depth += 1
+            j = parents[j]
+        ok.append((p < 0 or ok[p]) and depth < len(truth) and truth[depth] == token)
+    return ok
+
+
+def time_replay(rows, horizon, settings, node_cost, cells=None, value_cut=None):
+    """Committed tokens per unit of time, a verify step costing ``1 + node_cost
+    x nodes`` plain steps, for SuffixDecoding proposals at ``settings`` =
+    (max_spec_tokens, max_spec_factor, min_token_prob, tree).
+
+    With ``value_cut``, each proposal keeps the prefix-closed set of nodes whose
+    acceptance rate in ``cells`` (an oracle calibration: acceptance per cell,
+    measured on these rows) is at least the cut. With a dict ``cells`` and no
+    cut, every proposed node's acceptance is collected into it.
+    """
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    max_spec, factor, min_prob, tree = settings
+    cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+    steps = tokens = nodes = 0
+    for k, row in enumerate(rows):
+        prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
+        output = list(row["output_ids"])[:horizon]
+        cache.start_request(k, prompt)
+        t = 0
+        while t < len(output):
+            context = np.concatenate([prompt, np.asarray(output[:t], dtype=np.int32)])
+            draft = cache.speculate(
+                k,
+                context[-24:],
+                max_spec_tokens=max_spec,
+                max_spec_factor=factor,
+                min_token_prob=min_prob,
+                use_tree_spec=tree,
+            )
+            toks = list(draft.token_ids)
+            parents = list(draft.parents) if tree else list(range(-1, len(toks) - 1))
+            probs = list(draft.probs)
+            if value_cut is None and cells is not None:
+                ok = node_accepted(toks, parents, output[t:])
+                for cell, accepted in zip(
+                    node_cells(toks, parents, probs), ok, strict=True
+                ):
+                    cells.setdefault(cell, []).append(accepted)
+            if value_cut is not None:
+                kept: dict[int, int] = {}  # proposal index -> kept index
+                for i, cell in enumerate(node_cells(toks, parents, probs)):
+                    rate = cells.get(cell, 0.0)
+                    if rate >= value_cut and (parents[i] < 0 or parents[i] in kept):
+                        kept[i] = len(kept)
+                parents = [kept[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+                toks = [toks[i] for i in kept]
+            gained = min(1 + accepted_along(toks, parents, output[t:]), len(output) - t)
+            cache.add_active_response(k, output[t : t + gained])
+            t += gained
+            steps += 1
+            tokens += gained
+            nodes += len(toks)
+        cache.stop_request(k)
+    return {
+        "tau": round(tokens / max(steps, 1), 3),
+        "nodes_per_step": round(nodes / max(steps, 1), 2),
+        "tokens_per_time": tokens / max(steps + node_cost * nodes, 1e-9),
+    }
+
+
+def time_bound(rows, horizon: int, node_costs: list[float]) -> dict:
+    """How far lookup trees can beat vLLM's ``"suffix"`` when each verified
+    node costs ``node_cost`` of a plain step: per node cost, vLLM's path (its
+    defaults: 15 tokens, factor 1, min prob 0.1) against SuffixDecoding trees
+    at wider settings, verified whole or cut by an oracle calibration at 1x
+    and 2x the node cost (the auto budget's rule: a node pays when its
+    acceptance probability beats its cost). Host work is free here: a bound."""
+    trees = {
+        "tree f1 p0.1": (16, 1.0, 0.1, True),
+        "tree f2 p0.05": (16, 2.0, 0.05, True),
+        "tree f4 p0.02": (16, 4.0, 0.02, True),
+    }
+    cells_of = {}
+    for name, settings in trees.items():
+        cells: dict = {}
+        time_replay(rows, horizon, settings, 0.0, cells=cells)
+        cells_of[name] = {c: float(np.mean(v)) for c, v in cells.items()}
+    out = {}
+    for cost in node_costs:
+        base = time_replay(rows, horizon, (15, 1.0, 0.1, False), cost)
+        entry = {"vLLM suffix path": {**base, "vs_suffix": 1.0}}
+        for name, settings in trees.items():
+            for cut in (None, cost, 2 * cost):
+                r = time_replay(
+                    rows, horizon, settings, cost,
+                    cells=None if cut is None else cells_of[name], value_cut=cut,
+                )  # fmt: skip
+                label = f"{name}, " + ("whole" if cut is None else f"cut {cut:g}")
+                r["vs_suffix"] = round(
+                    r["tokens_per_time"] / base["tokens_per_time"], 3
+                )
+                entry[label] = r
+            print(
+                cost,
+                name,
+                {k: v for k, v in entry.items() if k.startswith(name)},
+                flush=True,
+            )
+        out[str(cost)] = entry
+    return out
+
+
 def suffix_variant(max_spec: int, tree: bool, cached: int, factor: float = 1.0):
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
@@ -132,6 +266,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1500)
     ap.add_argument("--max-spec", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/replay_lookup"))
+    ap.add_argument(
+        "--node-costs",
+        type=float,
+        nargs="*",
+        default=[0.005, 0.02, 0.035],
+        help="verify cost per draft node, in plain steps, for the time bound "
+        "(none: skip it)",
+    )
+    ap.add_argument("--bound-rows", type=int, default=300)
     args = ap.parse_args()
     rows = load_rows(args.rows)
     variants = {
@@ -170,15 +313,23 @@ def main() -> None:
         table["suffix tree, cross-request"],
         table["suffix path, cross-request (vLLM suffix)"],
     )
+    bound = (
+        time_bound(rows[-args.bound_rows :], 256, args.node_costs)
+        if args.node_costs
+        else {}
+    )
     result = {
         "command": " ".join(
             ["python", "benchmarks/replay_lookup.py", f"--rows {len(rows)}"]
+            + [f"--node-costs {' '.join(map(str, args.node_costs))}"]
+            + [f"--bound-rows {args.bound_rows}"]
         ),
         "rows": len(rows),
         "output_tokens_mean": round(
             float(np.mean([len(r["output_ids"]) for r in rows])), 1
         ),
         "variants": table,
+        "time_bound": bound,
         "goals": [
             {
                 "name": "lookup tree tau_256 / lookup path tau_256 (suffix, cross-request)",
@@ -205,6 +356,31 @@ def main() -> None:
         lines.append(
             f"| {name} | {e['tau_64']} | {e['tau_256']} | {e['nodes_per_step_256']} |"
         )
+    if bound:
+        lines += [
+            "",
+            "## Time bound: lookup trees against vLLM's suffix path",
+            "",
+            f"The last {args.bound_rows} rows, first 256 tokens. A verify step costs "
+            "`1 + c x nodes` plain steps; host work is free. Trees are "
+            "SuffixDecoding's "
+            "at 16 tokens and the given `max_spec_factor` (f) and `min_token_prob` "
+            "(p), verified whole or cut to the nodes whose acceptance rate (an "
+            "oracle calibration per depth and half-octave of path probability, "
+            "measured on the same rows) is at least the cut: an upper bound on what "
+            "a calibrated tree of one lookup source gains over vLLM's path at "
+            "that node cost.",
+            "",
+            "| c (node / plain step) | proposal | tau | nodes / step "
+            "| tokens / time vs vLLM suffix |",
+            "| ---: | --- | ---: | ---: | ---: |",
+        ]
+        for cost, entry in bound.items():
+            for name, e in entry.items():
+                lines.append(
+                    f"| {cost} | {name} | {e['tau']} | {e['nodes_per_step']} | "
+                    f"{e['vs_suffix']:.3f} |"
+                )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

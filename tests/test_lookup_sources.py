@@ -103,3 +103,39 @@ def test_suffix_drafts_siblings_are_normalised_where_they_pass_one():
     assert out.probs[2:4] == pytest.approx([0.3, 0.2])  # siblings summing to 0.5
     assert 0 < out.probs[4] <= 1e-8
     assert lookup._from_suffix_draft(SimpleNamespace(token_ids=[], parents=[], probs=[])) is None
+
+
+def test_settings_from_vllm_keys_take_ddtree_defaults_where_left_at_vllms():
+    """vLLM's ``suffix_decoding_*`` keys: the proposal's length factor and
+    cut-off left at vLLM's defaults (tuned for the one path its ``"suffix"``
+    method verifies) take ddtree's, which the tree trims by value; a value a
+    user gives is kept, as are the other keys."""
+    from vllm.config import SpeculativeConfig
+
+    fields = SpeculativeConfig.__dataclass_fields__
+    keys = [f"suffix_decoding_{n}" for n in lookup.LookupSettings.__dataclass_fields__]
+    keys = [k for k in keys if k in fields]
+    assert len(keys) == 4
+
+    def spec(**given):
+        config = type("Spec", (), {"__dataclass_fields__": fields})()
+        for key in keys:
+            setattr(config, key, given.get(key, fields[key].default))
+        return config
+
+    plain = lookup.LookupSettings.from_speculative_config(spec(), 15)
+    assert plain.max_spec_factor == lookup.DDTREE_MAX_SPEC_FACTOR
+    assert plain.min_token_prob == lookup.DDTREE_MIN_TOKEN_PROB
+    assert plain.max_tree_depth == fields["suffix_decoding_max_tree_depth"].default
+    assert plain.max_spec_tokens == 15
+    given = lookup.LookupSettings.from_speculative_config(
+        spec(
+            suffix_decoding_max_spec_factor=2.0,
+            suffix_decoding_min_token_prob=0.3,
+            suffix_decoding_max_tree_depth=8,
+            suffix_decoding_max_cached_requests=3,
+        ),
+        4,
+    )
+    assert (given.max_spec_factor, given.min_token_prob) == (2.0, 0.3)
+    assert (given.max_tree_depth, given.max_cached_requests) == (8, 3)

@@ -81,7 +81,8 @@ class DDTreeConfig:
     (the request's prompt and output, earlier responses), proposed beside the
     drafter's and verified in the same pass. ``"suffix"``: SuffixDecoding trees
     (arctic-inference, what vLLM's ``"suffix"`` method uses; its
-    ``suffix_decoding_*`` settings apply); ``"ngram"``: vLLM's n-gram matcher
+    ``suffix_decoding_*`` settings apply, see
+    ``LookupSettings.from_speculative_config``); ``"ngram"``: vLLM's n-gram matcher
     over the request's own tokens; ``"off"``: the drafter's tree only.
     ``"auto"`` resolves at start-up to ``"suffix"`` where arctic-inference is
     installed, else ``"ngram"``."""

@@ -38,14 +38,26 @@ __all__ = [
 NGRAM_RAW_PROB = 0.5
 
 
+# vLLM's "suffix" method verifies the cache's one best path whole, so its
+# defaults (max_spec_factor 1.0, min_token_prob 0.1) keep proposals short and
+# likely. A ddtree tree keeps each lookup node by its calibrated value (the top
+# B, or under the auto budget only the nodes that pay for their rows), so it
+# asks for longer and less likely proposals and lets the tree choose: replayed
+# on the target's greedy outputs, these reach tau 2.72 against 2.37 for vLLM's
+# path (benchmarks/results/replay_lookup.md, time bound).
+DDTREE_MAX_SPEC_FACTOR = 4.0
+DDTREE_MIN_TOKEN_PROB = 0.02
+
+
 @dataclass(frozen=True)
 class LookupSettings:
-    """vLLM's SuffixDecoding settings (the same names and defaults as its
-    ``SpeculativeConfig``), and the drafts' size."""
+    """vLLM's SuffixDecoding settings (the names of its ``SpeculativeConfig``;
+    ddtree's defaults for the proposal's length and cut-off, see
+    :meth:`from_speculative_config`), and the drafts' size."""
 
     max_tree_depth: int = 24  # suffix_decoding_max_tree_depth
-    max_spec_factor: float = 1.0  # suffix_decoding_max_spec_factor
-    min_token_prob: float = 0.1  # suffix_decoding_min_token_prob
+    max_spec_factor: float = DDTREE_MAX_SPEC_FACTOR  # suffix_decoding_max_spec_factor
+    min_token_prob: float = DDTREE_MIN_TOKEN_PROB  # suffix_decoding_min_token_prob
     max_cached_requests: int = 10000  # suffix_decoding_max_cached_requests
     max_spec_tokens: int = 16  # nodes per lookup tree at most
     ngram_min: int = 1  # the n-gram fallback's shortest match
@@ -63,6 +75,34 @@ class LookupSettings:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"ddtree lookup: invalid {', '.join(bad)} ({self})")
+
+
+    @classmethod
+    def from_speculative_config(cls, spec, max_spec_tokens: int) -> LookupSettings:
+        """The settings of vLLM's ``suffix_decoding_*`` keys in ``spec`` (a
+        ``SpeculativeConfig``). ``max_spec_factor`` and ``min_token_prob`` left
+        at vLLM's defaults, which suit the one path its ``"suffix"`` method
+        verifies, take ddtree's (:data:`DDTREE_MAX_SPEC_FACTOR`,
+        :data:`DDTREE_MIN_TOKEN_PROB`); any other value is used as given."""
+        fields = getattr(type(spec), "__dataclass_fields__", {})
+        ddtree_defaults = {
+            "max_spec_factor": DDTREE_MAX_SPEC_FACTOR,
+            "min_token_prob": DDTREE_MIN_TOKEN_PROB,
+        }
+        values = {}
+        for name in (
+            "max_tree_depth",
+            "max_spec_factor",
+            "min_token_prob",
+            "max_cached_requests",
+        ):
+            key = f"suffix_decoding_{name}"
+            value = getattr(spec, key, None)
+            vllm_default = getattr(fields.get(key), "default", None)
+            if value is None or (name in ddtree_defaults and value == vllm_default):
+                continue  # LookupSettings' default
+            values[name] = value
+        return cls(**values, max_spec_tokens=max_spec_tokens)
 
 
 def suffix_decoding_available() -> bool:

@@ -814,19 +814,8 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
         SuffixLookup,
     )
 
-    spec = vllm_config.speculative_config
-    defaults = LookupSettings()
-    settings = LookupSettings(
-        **{
-            name: getattr(spec, f"suffix_decoding_{name}", getattr(defaults, name))
-            for name in (
-                "max_tree_depth",
-                "max_spec_factor",
-                "min_token_prob",
-                "max_cached_requests",
-            )
-        },
-        max_spec_tokens=ddtree.budget,
+    settings = LookupSettings.from_speculative_config(
+        vllm_config.speculative_config, ddtree.budget
     )
     model_config = getattr(vllm_config, "model_config", None)
     max_model_len = getattr(model_config, "max_model_len", 1 << 30)
@@ -836,9 +825,12 @@ def _make_lookup(vllm_config, ddtree: DDTreeConfig) -> BatchLookup | None:
         source = SuffixLookup(settings, max_model_len)
     logger.info(
         "ddtree: lookup drafts from %s beside the drafter's, in one tree of at most "
-        "%d nodes (ddtree_lookup='off' turns them off)",
+        "%d nodes (ddtree_lookup='off' turns them off); proposals up to %g x the "
+        "match length, nodes of probability >= %g",
         source.name,
         ddtree.budget,
+        settings.max_spec_factor,
+        settings.min_token_prob,
     )
     return BatchLookup(source, ddtree.budget)
 # <<< lookup
