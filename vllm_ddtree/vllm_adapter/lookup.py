@@ -43,10 +43,12 @@ NGRAM_RAW_PROB = 0.5
 # likely. A ddtree tree keeps each lookup node by its calibrated value (the top
 # B, or under the auto budget only the nodes that pay for their rows), so it
 # asks for longer and less likely proposals and lets the tree choose: replayed
-# on the target's greedy outputs, these reach tau 2.72 against 2.37 for vLLM's
-# path (benchmarks/results/replay_lookup.md, time bound).
-DDTREE_MAX_SPEC_FACTOR = 4.0
-DDTREE_MIN_TOKEN_PROB = 0.02
+# on the target's greedy outputs, these reach tau 2.59 against 2.37 for vLLM's
+# path (benchmarks/results/replay_lookup.md, time bound). Wider still (4.0,
+# 0.02: tau 2.72) paid at batch 1 on a 2-core CPU but lost ~10% at batch 8
+# there (benchmarks/results/lookup_t0_wide.md and an A/B of the settings).
+DDTREE_MAX_SPEC_FACTOR = 2.0
+DDTREE_MIN_TOKEN_PROB = 0.05
 
 
 @dataclass(frozen=True)
