@@ -5,6 +5,7 @@ The builder under test is the ``build`` fixture, :func:`build_ddtree`; another
 builder with its contract runs the same tests by overriding the fixture.
 """
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -17,6 +18,9 @@ from vllm_ddtree.tree import (
     build_ddtree,
     draft_top_k,
     pack_visibility,
+    tree_from_parents,
+    tree_from_parents_host,
+    tree_from_parents_numpy,
 )
 
 FIELDS = [
@@ -289,3 +293,67 @@ def test_position_offsets_are_depths(build):
 def test_bad_input(logits, budget, match, build):
     with pytest.raises(ValueError, match=match):
         build(logits, budget)
+
+
+def random_parent_lists(rng, num_reqs, max_nodes):
+    """Random trees as the worker gets them: per request the root (parent -1)
+    then nodes whose parents come before them."""
+    parents, tokens, scores = [], [], []
+    for _ in range(num_reqs):
+        n = int(rng.integers(1, max_nodes + 1))
+        chainy = rng.random() < 0.5  # deep chains as well as bushy trees
+        parents.append(
+            [-1]
+            + [
+                i - 1 if chainy and rng.random() < 0.8 else int(rng.integers(0, i))
+                for i in range(1, n)
+            ]
+        )
+        tokens.append(rng.integers(0, 1000, n).tolist())
+        scores.append((-rng.random(n)).tolist())
+    return parents, tokens, scores
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_host_builder_equals_the_loop_builder(seed):
+    """``tree_from_parents_numpy`` (pointer jumping) and the worker's
+    ``tree_from_parents_host`` against the loop reference
+    ``tree_from_parents``: every field, on random trees of 1..40 nodes per
+    request, batches of 1..7, with and without scores."""
+    rng = np.random.default_rng(seed)
+    parents, tokens, scores = random_parent_lists(
+        rng, int(rng.integers(1, 8)), int(rng.integers(1, 41))
+    )
+    depth = 0
+    for p in parents:
+        d = [0] * len(p)
+        for i in range(1, len(p)):
+            d[i] = d[p[i]] + 1
+        depth = max(depth, max(d))
+    given = scores if seed % 2 else None
+    want = tree_from_parents(parents, tokens, max(depth, 1), given)
+    for build in (tree_from_parents_numpy, tree_from_parents_host):
+        got = build(parents, tokens, max(depth, 1), given)
+        for field in dataclasses.fields(want):
+            a, b = getattr(want, field.name), getattr(got, field.name)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), field.name
+            else:
+                assert a == b, field.name
+
+
+@pytest.mark.parametrize(
+    "parents, tokens, max_depth_, message",
+    [
+        ([[0, 0]], [[1, 2]], 2, "request 0: needs a root"),
+        ([[-1, 0], [-1, 1]], [[1, 2], [1, 2]], 2, "request 1: node 1 has parent 1"),
+        ([[-1, 0, 1]], [[1, 2, 3]], 1, "request 0: node 2 is deeper than max_depth=1"),
+        ([[-1, 0]], [[1]], 2, "one token per node"),
+    ],
+)
+def test_host_builder_refuses_what_the_loop_builder_refuses(
+    parents, tokens, max_depth_, message
+):
+    for build in (tree_from_parents, tree_from_parents_numpy):
+        with pytest.raises(ValueError, match=message):
+            build(parents, tokens, max_depth_)

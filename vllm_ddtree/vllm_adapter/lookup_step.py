@@ -43,7 +43,7 @@ from vllm_ddtree.lookup_tree import (
     UnionTree,
     build_union_tree,
 )
-from vllm_ddtree.tree import DraftTree, tree_from_parents
+from vllm_ddtree.tree import DraftTree, tree_from_parents_host
 from vllm_ddtree.vllm_adapter.step import max_depth, tree_to_device
 
 __all__ = ["BatchLookup", "PendingLookupNodes"]
@@ -473,7 +473,7 @@ def _rows_of(tokens, parents, scores, counts):
 def _to_tree(lists, device) -> DraftTree:
     """One :class:`DraftTree` of per-row (tokens, parents, log scores)."""
     parents = [p for _, p, _ in lists]
-    host = tree_from_parents(
+    host = tree_from_parents_host(
         parents, [t for t, _, _ in lists], max_depth=max(max_depth(parents), 1),
         scores=[s for _, _, s in lists],
     )  # fmt: skip

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from vllm.utils import torch_utils
 
-from vllm_ddtree.tree import DraftTree, tree_from_parents
+from vllm_ddtree.tree import DraftTree, tree_from_parents_host
 from vllm_ddtree.vllm_adapter.draft_trees import ScheduledDraftTree, chain_parents
 
 __all__ = ["StepTrees", "build_step_trees", "max_depth", "tree_to_device"]
@@ -101,7 +101,7 @@ def build_step_trees(
         num_drafts.append(n)
         starts.append(query_end[b] - n - 1)
     depth = max_depth(parents)
-    host_tree = tree_from_parents(parents, tokens, max_depth=max(depth, 1))
+    host_tree = tree_from_parents_host(parents, tokens, max_depth=max(depth, 1))
     rows = host_tree.num_rows
     # Verify rows: each request's n_r + 1 rows, request after request.
     sizes = np.asarray(num_drafts, dtype=np.int64) + 1
