@@ -59,8 +59,10 @@ def accepted_along(draft_tokens, parents, truth) -> int:
     return n
 
 
-def replay(rows, horizon: int, propose, start=None, add=None, stop=None):
-    """tau over each output's first ``horizon`` tokens, and lookup nodes per step."""
+def replay(rows, horizon: int, propose, start=None, add=None, stop=None, observe=None):
+    """tau over each output's first ``horizon`` tokens, and lookup nodes per step;
+    ``observe(draft_tokens, parents, truth)`` sees each draft beside the output
+    it is verified against."""
     steps = tokens = nodes = 0
     for k, row in enumerate(rows):
         prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
@@ -71,6 +73,8 @@ def replay(rows, horizon: int, propose, start=None, add=None, stop=None):
         while t < len(output):
             context = np.concatenate([prompt, np.asarray(output[:t], dtype=np.int32)])
             draft_tokens, parents = propose(k, context)
+            if observe is not None:
+                observe(draft_tokens, parents, output[t:])
             nodes += len(draft_tokens)
             # The drafts follow the committed tokens; the step commits the
             # matched drafts and the target's next token.
@@ -120,61 +124,15 @@ def node_accepted(draft_tokens, parents, truth) -> list[bool]:
 def time_replay(rows, horizon, settings, node_cost, cells=None, value_cut=None):
     """Committed tokens per unit of time, a verify step costing ``1 + node_cost
     x nodes`` plain steps, for SuffixDecoding proposals at ``settings`` =
-    (max_spec_tokens, max_spec_factor, min_token_prob, tree).
-
-    With ``value_cut``, each proposal keeps the prefix-closed set of nodes whose
-    acceptance rate in ``cells`` (an oracle calibration: acceptance per cell,
-    measured on these rows) is at least the cut. With a dict ``cells`` and no
-    cut, every proposed node's acceptance is collected into it.
-    """
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
-
+    (max_spec_tokens, max_spec_factor, min_token_prob, tree); ``cells`` and
+    ``value_cut`` as in :func:`suffix_variant`."""
     max_spec, factor, min_prob, tree = settings
-    cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
-    steps = tokens = nodes = 0
-    for k, row in enumerate(rows):
-        prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
-        output = list(row["output_ids"])[:horizon]
-        cache.start_request(k, prompt)
-        t = 0
-        while t < len(output):
-            context = np.concatenate([prompt, np.asarray(output[:t], dtype=np.int32)])
-            draft = cache.speculate(
-                k,
-                context[-24:],
-                max_spec_tokens=max_spec,
-                max_spec_factor=factor,
-                min_token_prob=min_prob,
-                use_tree_spec=tree,
-            )
-            toks = list(draft.token_ids)
-            parents = list(draft.parents) if tree else list(range(-1, len(toks) - 1))
-            probs = list(draft.probs)
-            if value_cut is None and cells is not None:
-                ok = node_accepted(toks, parents, output[t:])
-                for cell, accepted in zip(
-                    node_cells(toks, parents, probs), ok, strict=True
-                ):
-                    cells.setdefault(cell, []).append(accepted)
-            if value_cut is not None:
-                kept: dict[int, int] = {}  # proposal index -> kept index
-                for i, cell in enumerate(node_cells(toks, parents, probs)):
-                    rate = cells.get(cell, 0.0)
-                    if rate >= value_cut and (parents[i] < 0 or parents[i] in kept):
-                        kept[i] = len(kept)
-                parents = [kept[parents[i]] if parents[i] >= 0 else -1 for i in kept]
-                toks = [toks[i] for i in kept]
-            gained = min(1 + accepted_along(toks, parents, output[t:]), len(output) - t)
-            cache.add_active_response(k, output[t : t + gained])
-            t += gained
-            steps += 1
-            tokens += gained
-            nodes += len(toks)
-        cache.stop_request(k)
+    variant = suffix_variant(max_spec, tree, 10000, factor, min_prob, cells, value_cut)
+    tau, nodes = replay(rows, horizon, **variant)
     return {
-        "tau": round(tokens / max(steps, 1), 3),
-        "nodes_per_step": round(nodes / max(steps, 1), 2),
-        "tokens_per_time": tokens / max(steps + node_cost * nodes, 1e-9),
+        "tau": round(tau, 3),
+        "nodes_per_step": round(nodes, 2),
+        "tokens_per_time": tau / (1 + node_cost * nodes),
     }
 
 
@@ -220,10 +178,24 @@ def time_bound(rows, horizon: int, node_costs: list[float]) -> dict:
     return out
 
 
-def suffix_variant(max_spec: int, tree: bool, cached: int, factor: float = 1.0):
+def suffix_variant(
+    max_spec: int,
+    tree: bool,
+    cached: int,
+    factor: float = 1.0,
+    min_prob: float = 0.1,
+    cells: dict | None = None,
+    value_cut: float | None = None,
+):
+    """SuffixDecoding as vLLM keeps it. With ``value_cut``, each proposal keeps
+    the prefix-closed set of nodes whose acceptance rate in ``cells`` (an
+    oracle calibration: acceptance per :func:`bucket`, measured on the same
+    rows) is at least the cut; with ``cells`` and no cut, every proposed
+    node's acceptance is collected into it."""
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=cached)
+    last_probs: list[float] = []  # the last proposal's, for observe
 
     def start(k, prompt):
         cache.start_request(k, prompt)
@@ -234,11 +206,30 @@ def suffix_variant(max_spec: int, tree: bool, cached: int, factor: float = 1.0):
             context[-24:],
             max_spec_tokens=max_spec,
             max_spec_factor=factor,
-            min_token_prob=0.1,
+            min_token_prob=min_prob,
             use_tree_spec=tree,
         )
-        parents = draft.parents if tree else list(range(-1, len(draft.token_ids) - 1))
-        return draft.token_ids, parents
+        tokens = list(draft.token_ids)
+        parents = list(draft.parents) if tree else list(range(-1, len(tokens) - 1))
+        last_probs[:] = draft.probs
+        if value_cut is None:
+            return tokens, parents
+        kept: dict[int, int] = {}  # proposal index -> kept index
+        for i, cell in enumerate(node_cells(tokens, parents, last_probs)):
+            if cells.get(cell, 0.0) >= value_cut and (
+                parents[i] < 0 or parents[i] in kept
+            ):
+                kept[i] = len(kept)
+        return (
+            [tokens[i] for i in kept],
+            [kept[parents[i]] if parents[i] >= 0 else -1 for i in kept],
+        )
+
+    def observe(draft_tokens, parents, truth):
+        accepted = node_accepted(draft_tokens, parents, truth)
+        cellwise = node_cells(draft_tokens, parents, last_probs)
+        for cell, ok in zip(cellwise, accepted, strict=True):
+            cells.setdefault(cell, []).append(ok)
 
     def add(k, tokens):
         cache.add_active_response(k, list(tokens))
@@ -246,7 +237,10 @@ def suffix_variant(max_spec: int, tree: bool, cached: int, factor: float = 1.0):
     def stop(k):
         cache.stop_request(k)
 
-    return dict(propose=propose, start=start, add=add, stop=stop)
+    variant = dict(propose=propose, start=start, add=add, stop=stop)
+    if cells is not None and value_cut is None:
+        variant["observe"] = observe
+    return variant
 
 
 def ngram_variant(max_spec: int):

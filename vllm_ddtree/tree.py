@@ -569,11 +569,14 @@ def tree_from_parents_numpy(
     against."""
     num_reqs = len(parents)
     counts = np.fromiter((len(p) for p in parents), np.int64, num_reqs)
-    token_counts = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
-    if num_reqs != len(tokens) or (counts < 1).any() or (token_counts != counts).any():
-        b = int(np.argmax((counts < 1) | (token_counts != counts)))
+    malformed = [
+        not p or p[0] != -1 or b >= len(tokens) or len(tokens[b]) != len(p)
+        for b, p in enumerate(parents)
+    ]
+    if any(malformed):
         raise ValueError(
-            f"request {b}: needs a root with parent -1 and one token per node"
+            f"request {malformed.index(True)}: needs a root with parent -1 and one "
+            "token per node"
         )
     rows = int(counts.max()) if num_reqs else 1
     node = np.arange(rows)
@@ -582,11 +585,6 @@ def tree_from_parents_numpy(
     par[real] = np.fromiter(itertools.chain.from_iterable(parents), np.int64)
     tok = np.zeros((num_reqs, rows), dtype=np.int64)
     tok[real] = np.fromiter(itertools.chain.from_iterable(tokens), np.int64)
-    if (par[:, 0] != -1).any():
-        b = int(np.argmax(par[:, 0] != -1))
-        raise ValueError(
-            f"request {b}: needs a root with parent -1 and one token per node"
-        )
     bad = real & (node[None, :] > 0) & ((par < 0) | (par >= node[None, :]))
     if bad.any():
         b, i = map(int, np.argwhere(bad)[0])

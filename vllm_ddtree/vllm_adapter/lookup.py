@@ -78,7 +78,6 @@ class LookupSettings:
         if bad:
             raise ValueError(f"ddtree lookup: invalid {', '.join(bad)} ({self})")
 
-
     @classmethod
     def from_speculative_config(cls, spec, max_spec_tokens: int) -> LookupSettings:
         """The settings of vLLM's ``suffix_decoding_*`` keys in ``spec`` (a
@@ -87,10 +86,6 @@ class LookupSettings:
         verifies, take ddtree's (:data:`DDTREE_MAX_SPEC_FACTOR`,
         :data:`DDTREE_MIN_TOKEN_PROB`); any other value is used as given."""
         fields = getattr(type(spec), "__dataclass_fields__", {})
-        ddtree_defaults = {
-            "max_spec_factor": DDTREE_MAX_SPEC_FACTOR,
-            "min_token_prob": DDTREE_MIN_TOKEN_PROB,
-        }
         values = {}
         for name in (
             "max_tree_depth",
@@ -101,7 +96,8 @@ class LookupSettings:
             key = f"suffix_decoding_{name}"
             value = getattr(spec, key, None)
             vllm_default = getattr(fields.get(key), "default", None)
-            if value is None or (name in ddtree_defaults and value == vllm_default):
+            ours = name in ("max_spec_factor", "min_token_prob")
+            if value is None or (ours and value == vllm_default):
                 continue  # LookupSettings' default
             values[name] = value
         return cls(**values, max_spec_tokens=max_spec_tokens)
