@@ -16,6 +16,10 @@
 #                                   # (default 1500, WSD decay over the last third) from
 #                                   # INIT (default: the committed drafter), export to
 #                                   # WORKDIR/round-ROUND/export, then the vLLM replay
+#   bash scripts/drafter_campaign.sh continue ROUND  # a round stopped midway (a session
+#                                   # ended): its training from the newest checkpoint with
+#                                   # the options in its train_config.json, then export and
+#                                   # the vLLM replay
 #   bash scripts/drafter_campaign.sh pause     # SIGSTOP: before the suite or any timing
 #   bash scripts/drafter_campaign.sh resume    # SIGCONT
 #   bash scripts/drafter_campaign.sh status    # stage, progress, last held-out numbers
@@ -104,6 +108,34 @@ generations.jsonl; do ln -sf '$WORKDIR'/\$f '$d'/\$f; done; "
     echo "session round $round started (pid $!): $seqs sequences, $steps steps at lr $lr \
 from $init; log $LOG"
     ;;
+  continue)
+    round="${2:?continue needs a round number}"
+    if p=$(pid); then echo "already running (pid $p)"; exit 0; fi
+    d="$WORKDIR/round-$round"
+    [[ -f "$d/train_config.json" ]] || { echo "no $d/train_config.json: start the round \
+with 'session $round' first" >&2; exit 2; }
+    # The round's own options, so the resumed run trains on the same schedule.
+    opts=$(.venv/bin/python -c "
+import json, shlex, sys
+c = json.load(open(sys.argv[1]))
+args = ['--lr', c['lr'], '--steps', c['steps'], '--decay-steps', c['decay_steps'],
+        '--autocast', c['autocast'], '--seed', c['seed']]
+if c.get('init_from'):
+    args += ['--init-from', c['init_from']]
+print(' '.join(shlex.quote(str(a)) for a in args))
+" "$d/train_config.json")
+    py=".venv/bin/python -m vllm_ddtree.drafter"
+    every=$(.venv/bin/python -c "import json, sys; print(json.load(open(sys.argv[1]))['eval_every'])" \
+      "$d/train_config.json")
+    runs="set -e; $py train --workdir '$d' $opts --eval-every $every; "
+    runs+="$py export --workdir '$d' $opts --export-dir '$d/export'; "
+    runs+=".venv/bin/python -m vllm_ddtree.drafter.replay --checkpoint '$d/export' \
+--out '$d/replay'; "
+    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-3}" setsid nohup nice -n 19 \
+      bash -c "$runs" >>"$LOG" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+    echo "continue round $round (pid $!): $opts; log $LOG"
+    ;;
   pause|resume|stop)
     p=$(pid) || { echo "not running"; exit 0; }
     sig=$([[ $1 == pause ]] && echo STOP || ([[ $1 == resume ]] && echo CONT || echo TERM))
@@ -137,5 +169,5 @@ print(f'features: {len(i[\"ids\"])} sequences, {i[\"offsets\"][-1] + i[\"lengths
       echo "sweep $(basename "$(dirname "$log")"): $(grep val_tau "$log" | tail -n 1 | cut -c1-200)"
     done
     ;;
-  *) echo "usage: $0 start|sweep|pipeline|session|pause|resume|status|stop" >&2; exit 2 ;;
+  *) echo "usage: $0 start|sweep|pipeline|session|continue|pause|resume|status|stop" >&2; exit 2 ;;
 esac
