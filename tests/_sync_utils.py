@@ -7,7 +7,8 @@ the code it wraps and records, by the Python file that made the call:
 * **device -> host reads** (each one a stream synchronization on CUDA):
   ``tolist``, ``item``, ``cpu``, ``numpy``, ``bool()`` / ``int()`` /
   ``float()`` of a tensor, ``nonzero``, ``masked_select``, ``unique``, indexing
-  with a boolean mask, ``repeat_interleave`` with tensor repeats and no
+  with a boolean mask or with a 0-dim integer tensor (``x[i]``: PyTorch reads
+  ``i`` with ``item()`` to select), ``repeat_interleave`` with tensor repeats and no
   ``output_size``, ``torch.equal``;
 * **pageable host -> device copies** (blocking on CUDA): a torch tensor made from
   Python data with an explicit ``device=``, and ``.to(...)`` / ``copy_`` of a host
@@ -82,9 +83,19 @@ def _tensors(args, kwargs):
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
-def _has_bool_index(index) -> bool:
+def _index_reads(index, is_host) -> bool:
+    """Whether indexing with ``index`` reads a device tensor on the host: a
+    boolean mask (its output shape depends on the data), or a 0-dim integer
+    tensor, which PyTorch turns into a Python int (``item()``) to select."""
     items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+    return any(
+        isinstance(i, torch.Tensor)
+        and (
+            i.dtype == torch.bool
+            or (i.dim() == 0 and not i.is_floating_point() and not is_host(i))
+        )
+        for i in items
+    )
 
 
 class HostSyncCounter(TorchFunctionMode):
@@ -148,7 +159,11 @@ class HostSyncCounter(TorchFunctionMode):
         if func in _READS and device_inputs:
             self.reads[self._caller()] += 1
         elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
-            if device_inputs and len(args) > 1 and _has_bool_index(args[1]):
+            if (
+                device_inputs
+                and len(args) > 1
+                and _index_reads(args[1], self.is_host)
+            ):
                 self.reads[self._caller()] += 1
         elif func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")

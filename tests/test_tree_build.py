@@ -357,3 +357,36 @@ def test_host_builder_refuses_what_the_loop_builder_refuses(
     for build in (tree_from_parents, tree_from_parents_numpy):
         with pytest.raises(ValueError, match=message):
             build(parents, tokens, max_depth_)
+
+
+@pytest.mark.parametrize("max_children", [None, 3])
+def test_device_tree_path_runs_without_host_reads(max_children):
+    """A drafting step's device-side tree work (the drafter's top-K, the auto
+    budget's allocation, the builder at a fixed or per-request budget) runs on
+    the meta device, which has no data: no ``item()``, ``tolist()``,
+    ``nonzero()`` or data-dependent shape anywhere (what CUDA-graph capture
+    needs, and no host sync per step on a GPU); the output shapes follow the
+    batch shape alone."""
+    from vllm_ddtree.budget import allocate_nodes
+
+    num_reqs, depth, vocab, budget = 3, 6, 50, 8
+    logits = torch.empty(num_reqs, depth, vocab, device="meta")
+    roots = torch.empty(num_reqs, dtype=torch.int64, device="meta")
+    log_probs, token_ids = draft_top_k(logits, budget)
+    assert log_probs.shape == token_ids.shape == (num_reqs, depth, budget)
+    values = torch.empty(num_reqs, budget, device="meta")
+    seconds = torch.empty(num_reqs * budget + 1, device="meta")
+    counts, throughput = allocate_nodes(values, seconds)
+    assert counts.shape == (num_reqs,) and throughput.shape == ()
+    for tree in (
+        build_ddtree(logits, budget, roots, max_children=max_children, validate=False),
+        build_ddtree(
+            logits, counts, roots, max_budget=budget, max_children=max_children,
+            top_k=(log_probs, token_ids), validate=False,
+        ),  # fmt: skip
+    ):
+        assert tree.tokens.shape == (num_reqs, budget + 1)
+        assert tree.visibility.shape == (num_reqs, budget + 1, budget + 1)
+    # A per-request budget without its static capacity reads budget.max().
+    with pytest.raises(RuntimeError, match="meta"):
+        build_ddtree(logits, counts, roots, validate=False)

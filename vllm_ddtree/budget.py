@@ -86,7 +86,9 @@ def allocate_nodes(
     request = order % max(num_reqs, 1)
     num_nodes = torch.zeros(num_reqs, dtype=torch.int64, device=device)
     num_nodes.scatter_add_(0, request, chosen.to(torch.int64))
-    return num_nodes, throughput[best_k]
+    # The maximum itself, not ``throughput[best_k]``: indexing with a 0-dim
+    # device tensor reads it on the host (a sync per call on a GPU).
+    return num_nodes, throughput.max()
 
 
 # >>> lookup

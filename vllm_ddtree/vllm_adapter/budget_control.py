@@ -829,7 +829,8 @@ class BudgetController:
                 skipping,
                 deepest(counts).float(),
                 deepest(skip_counts).float(),
-                charged[drafted_nodes].float(),
+                # gather, not charged[drafted_nodes]: no host read of the index
+                charged.gather(0, drafted_nodes.view(1)).squeeze(0).float(),
                 drafted_nodes.float(),
             ]
         ).tolist()
