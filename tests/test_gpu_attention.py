@@ -398,3 +398,31 @@ def test_a_plan_copies_to_the_device_twice(monkeypatch):
     for t in (plan.req_index, plan.prefix_lens, plan.tree_lens, plan.tree_start_loc,
               plan.row_offsets, plan.mask_bits, plan.depths):
         assert t.data_ptr() % 16 == 0  # as aligned as a tensor of its own
+
+
+def test_a_verify_forward_reads_nothing_back_on_the_host():
+    """Two layers of one verify forward on the GPU path (the plan, the stock
+    kernel's stand-in, the tree kernel, the stash), counted as on a GPU
+    machine (tests/_sync_utils.py): ddtree's code reads no device tensor on the
+    host and makes no pageable host -> device copy. The trees' visibility is
+    host data (the runner builds it there)."""
+    from _sync_utils import HostSyncCounter
+
+    sc = Scenario()
+    impl, batch = make_impl(), sc.batch()
+    metadata = attn_context.metadata_with_tree(sc.metadata, batch)
+    query, cache = sc.query.to(DEVICE).clone(), sc.kv_cache.to(DEVICE).clone()
+    outputs = [torch.zeros(sc.num_tokens, NUM_HEADS * HEAD, device=DEVICE) for _ in range(2)]
+    host = [r.visibility for r in batch.requests]
+    with HostSyncCounter(host_tensors=host) as counter:
+        for name, output in zip(("layers.0.attn", "layers.1.attn"), outputs, strict=True):
+            impl.forward(
+                SimpleNamespace(layer_name=name), query, None, None, cache, metadata, output
+            )
+    ours = "/vllm_ddtree/"
+    reads = {k: v for k, v in counter.reads.items() if ours in k}
+    copies = {k: v for k, v in counter.copies.items() if ours in k}
+    assert not reads and not copies, (reads, copies)
+    # The tree rows were written (the counted forward is the real one).
+    tree_rows = sc.tree_rows(1) + sc.tree_rows(2)
+    assert not bool((outputs[1].cpu()[tree_rows] == MARKER).any())
