@@ -8,7 +8,6 @@ import itertools
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -903,42 +902,3 @@ def test_stalls_are_kept_out_of_the_timing_but_a_slower_machine_is_followed():
         c.record_step(1, 5 * 0.0205)
     assert c.step_outliers.num_dropped == 2 + 3
     assert c.plain_step_cost.predict(1) == pytest.approx(5 * 0.0205, rel=0.2)
-
-
-def test_a_non_increasing_cost_model_does_not_climb_on_rare_counts():
-    """A cost per item that shares a fixed part (the verify step's overhead
-    per tree request) fitted non-increasing: a few slow samples at a count
-    rarely seen do not lift the curve there or beyond (the default
-    non-decreasing fit, on the same samples, climbs to several times the
-    common counts' cost at 8: the trap that kept batch-8 trees on at most 4
-    requests)."""
-    samples = [(1, 0.0020), (2, 0.0015), (4, 0.0012)] * 100 + [(6, 0.010)] * 3
-    rising, falling = StepCostModel(8), StepCostModel(8, non_increasing=True)
-    for model in (rising, falling):
-        for count, seconds in samples:
-            model.update(count, seconds)
-    assert rising.predict(8) > 3 * rising.predict(4)
-    assert falling.predict(1) == pytest.approx(0.0020, rel=0.1)
-    assert falling.predict(4) == pytest.approx(0.0012, rel=0.1)
-    at = falling.predict(np.array([1, 2, 3, 4, 5, 6, 7, 8, 16]))
-    assert np.all(np.diff(at) <= 0) and at[-1] == at[-2] > 0
-    assert falling.predict(16) == falling.predict(8) == at[-1]
-
-
-def test_the_tree_overhead_per_request_is_shared_not_compounded():
-    """The controller's overhead per tree request falls (or stays) with more
-    tree requests: steps at 1-4 tree requests, then a few slow ones at 7,
-    leave the predicted overhead of an 8-tree step at most 8 x the per-request
-    cost seen at 4."""
-    c = _controller(per_row=1e-4)
-    c.record_step(5, 1.0, 1, 4)  # warm-up
-    for _ in range(50):
-        for reqs in (1, 2, 4):
-            rows = 5 * reqs
-            c.record_step(rows, 0.020 + 1e-4 * rows + 0.002 + 0.001 * reqs, reqs, 4 * reqs)
-    for _ in range(3):
-        c.record_step(35, 0.020 + 1e-4 * 35 + 0.060, 7, 28)
-    per_request = c.tree_overhead_cost.predict(np.array([1, 2, 4, 8]))
-    assert np.all(np.diff(per_request) <= 0), per_request
-    assert per_request[0] == pytest.approx(0.003, rel=0.2)
-    assert c._tree_seconds(8) <= 8 * per_request[2] + 1e-9

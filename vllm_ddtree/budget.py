@@ -248,24 +248,9 @@ class StepCostModel:
     small penalty on slope changes, so a knot with no sample nearby continues
     its neighbours' line. Only the normal equations are kept (no history).
     Past ``max_rows`` the last segment's slope continues.
-
-    With ``non_increasing`` the curve may only fall (a cost per item that
-    shares a fixed part, e.g. the verify step's overhead per tree request:
-    what one tree pays alone is shared by several), and past ``max_rows`` it
-    stays flat. Without it a few slow samples at a count rarely seen lifted
-    that count's knot and the line beyond it: measured at batch 8 on a 2-core
-    CPU, 0.7 ms per tree request at 4 and 28.6 ms at 8, so the budget never
-    again let more than 4 requests verify trees in one step, and never saw
-    that it could.
     """
 
-    def __init__(
-        self,
-        max_rows: int,
-        decay: float = 0.995,
-        smoothness: float = 0.05,
-        non_increasing: bool = False,
-    ):
+    def __init__(self, max_rows: int, decay: float = 0.995, smoothness: float = 0.05):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if not 0 < decay <= 1:
@@ -277,7 +262,6 @@ class StepCostModel:
             knots.append(2)
         self.knots = np.array(knots, dtype=np.float64)  # [K]
         self.decay = decay
-        self.non_increasing = non_increasing
         k = len(knots)
         # Slope change at every inner knot, scaled to seconds (for equal spacing:
         # the second difference).
@@ -349,8 +333,7 @@ class StepCostModel:
         return self._weight_sum > 0
 
     def curve(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(knots [K], seconds [K])``, non-decreasing (more rows never cost
-        less), or non-increasing (``non_increasing``)."""
+        """``(knots [K], seconds [K])``, non-decreasing (more rows never cost less)."""
         if not self.ready:
             raise ValueError("StepCostModel has no sample yet")
         if self._values is None:
@@ -358,11 +341,8 @@ class StepCostModel:
             ridge = max(self._weight, 1.0) * self._ridge
             gram = self._gram / self._scale
             moment = self._moment / self._scale
-            values = np.maximum(
-                np.linalg.solve(gram + self._penalty + ridge, moment), 0.0
-            )
-            monotone = np.minimum if self.non_increasing else np.maximum
-            self._values = monotone.accumulate(values)
+            values = np.linalg.solve(gram + self._penalty + ridge, moment)
+            self._values = np.maximum.accumulate(np.maximum(values, 0.0))
             self._value_list = self._values.tolist()
             self._since_fit = 0
         return self.knots, self._values
@@ -375,22 +355,15 @@ class StepCostModel:
             self.curve()
             x, y = self._knots, self._value_list
             if rows > x[-1]:
-                return y[-1] + self._tail_slope() * (rows - x[-1])
+                return y[-1] + (y[-1] - y[-2]) / (x[-1] - x[-2]) * (rows - x[-1])
             i, t = self._basis(rows)
             return y[i] + t * (y[i + 1] - y[i])
         x, y = self.curve()
         rows = np.asarray(rows, dtype=np.float64)
         out = np.interp(rows, x, y)
-        out = np.where(rows > x[-1], y[-1] + self._tail_slope() * (rows - x[-1]), out)
+        tail_slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        out = np.where(rows > x[-1], y[-1] + tail_slope * (rows - x[-1]), out)
         return float(out) if out.ndim == 0 else out
-
-    def _tail_slope(self) -> float:
-        """The slope past the last knot: the last segment's (0 for a
-        non-increasing curve, which stays at its last value)."""
-        if self.non_increasing:
-            return 0.0
-        x, y = self._knots, self._value_list
-        return (y[-1] - y[-2]) / (x[-1] - x[-2])
 
     def estimate(self, rows) -> float | None:
         """``predict``, or None before the first sample."""

@@ -147,9 +147,8 @@ class BudgetController:
         self.max_skip = max_skip
         self.plain_step_cost = ProfiledStepCost(max_rows)
         # Seconds per tree request beyond a plain step of as many rows, by tree
-        # requests (none before the first tree step: trees cost their rows);
-        # non-increasing: several trees share what one pays alone.
-        self.tree_overhead_cost = StepCostModel(max_reqs, non_increasing=True)
+        # requests (none before the first tree step: trees cost their rows).
+        self.tree_overhead_cost = StepCostModel(max_reqs)
         # Hybrid targets (:meth:`track_recurrent_state`): seconds per draft node
         # beyond a plain row. A GDN layer's tree row first gets its parent's
         # state (``HV x K x V`` elements per node and layer, copied on the CPU)
