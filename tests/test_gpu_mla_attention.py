@@ -172,3 +172,28 @@ def test_backend_is_triton_mla_with_tree_aware_parts():
     finally:
         if was != BACKEND_PATH:
             AttentionBackendEnum.TRITON_MLA.clear_override()
+
+
+@pytest.mark.parametrize("num_decodes", [1, 3], ids=["mixed", "decode"])
+def test_a_verify_layer_reads_nothing_back_on_the_host(num_decodes):
+    """One MLA layer of a verify forward (both parts, the latent tree kernel
+    under the interpreter) counted as on a GPU machine
+    (tests/_sync_utils.py): ddtree's code reads no device tensor on the host
+    and makes no pageable host -> device copy. The trees' visibility is host
+    data (the runner builds it there)."""
+    from _sync_utils import HostSyncCounter
+
+    sc, impl = Scenario(num_decodes=num_decodes, device=DEVICE), make_impl()
+    cache, batch = sc.cache.to(DEVICE), sc.batch()
+    with HostSyncCounter(host_tensors=[r.visibility for r in batch.requests]) as counter:
+        out = run(sc, impl, batch, cache)
+    ours = "/vllm_ddtree/"
+    reads = {k: v for k, v in counter.reads.items() if ours in k}
+    copies = {k: v for k, v in counter.copies.items() if ours in k}
+    assert not reads and not copies, (reads, copies)
+    out = out.cpu()  # the counted forward is the real one: the oracle's rows
+    for r in (1, 2):
+        for i in range(sc.sizes[r]):
+            torch.testing.assert_close(
+                out[sc.qsl[r] + i].double(), sc.oracle_row(impl, r, i), atol=2e-4, rtol=2e-4
+            )
