@@ -324,12 +324,9 @@ def test_host_builder_equals_the_loop_builder(seed):
     parents, tokens, scores = random_parent_lists(
         rng, int(rng.integers(1, 8)), int(rng.integers(1, 41))
     )
-    depth = 0
-    for p in parents:
-        d = [0] * len(p)
-        for i in range(1, len(p)):
-            d[i] = d[p[i]] + 1
-        depth = max(depth, max(d))
+    from vllm_ddtree.vllm_adapter.step import max_depth
+
+    depth = max_depth(parents)
     given = scores if seed % 2 else None
     want = tree_from_parents(parents, tokens, max(depth, 1), given)
     for build in (tree_from_parents_numpy, tree_from_parents_host):
