@@ -114,20 +114,19 @@ from $init; log $LOG"
     d="$WORKDIR/round-$round"
     [[ -f "$d/train_config.json" ]] || { echo "no $d/train_config.json: start the round \
 with 'session $round' first" >&2; exit 2; }
-    # The round's own options, so the resumed run trains on the same schedule.
+    # The round's own options, so the resumed run trains on the same schedule
+    # (export too: every stage rewrites train_config.json from its options).
     opts=$(.venv/bin/python -c "
 import json, shlex, sys
 c = json.load(open(sys.argv[1]))
 args = ['--lr', c['lr'], '--steps', c['steps'], '--decay-steps', c['decay_steps'],
-        '--autocast', c['autocast'], '--seed', c['seed']]
+        '--autocast', c['autocast'], '--seed', c['seed'], '--eval-every', c['eval_every']]
 if c.get('init_from'):
     args += ['--init-from', c['init_from']]
 print(' '.join(shlex.quote(str(a)) for a in args))
 " "$d/train_config.json")
     py=".venv/bin/python -m vllm_ddtree.drafter"
-    every=$(.venv/bin/python -c "import json, sys; print(json.load(open(sys.argv[1]))['eval_every'])" \
-      "$d/train_config.json")
-    runs="set -e; $py train --workdir '$d' $opts --eval-every $every; "
+    runs="set -e; $py train --workdir '$d' $opts; "
     runs+="$py export --workdir '$d' $opts --export-dir '$d/export'; "
     runs+=".venv/bin/python -m vllm_ddtree.drafter.replay --checkpoint '$d/export' \
 --out '$d/replay'; "
